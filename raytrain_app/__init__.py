@@ -1,0 +1,51 @@
+"""raytrain: data-parallel PyTorch training on Ray, from a laptop to a SLURM cluster.
+
+The Python API mirrors the CLI::
+
+    import raytrain_app as rt
+    cfg = rt.load_config(overrides=["train.epochs=3"])
+    result = rt.train(cfg)
+    model = rt.load_model(result.checkpoint)
+"""
+
+from raytrain_app.checkpoint import load_model
+from raytrain_app.config import ConfigError, RaytrainConfig, config_from_dict, load_config
+from raytrain_app.errors import BadInputError, RunFailedError
+from raytrain_app.protocol import DataSplits, ModelSpec, StepOutput
+
+__all__ = [
+    "BadInputError",
+    "ConfigError",
+    "DataSplits",
+    "ModelSpec",
+    "RaytrainConfig",
+    "RunFailedError",
+    "StepOutput",
+    "config_from_dict",
+    "load_config",
+    "load_model",
+    "plan",
+    "train",
+]
+
+
+def train(config=None, *, overrides=(), address=None, progress=True):
+    """Train a config (object, dict, YAML path or None for the quickstart); see driver.train."""
+    from raytrain_app.driver import train as _train
+
+    return _train(_as_config(config, overrides), address=address, progress=progress)
+
+
+def plan(config=None, *, overrides=(), address=None):
+    """The resolved TrainingPlan of a config, without starting any training."""
+    from raytrain_app.driver import connected_plan
+
+    return connected_plan(_as_config(config, overrides), address)[1]
+
+
+def _as_config(config, overrides) -> RaytrainConfig:
+    if isinstance(config, RaytrainConfig):
+        return config_from_dict(config.model_dump(), overrides) if overrides else config
+    if isinstance(config, dict):
+        return config_from_dict(config, overrides)
+    return load_config(config, overrides)

@@ -1,0 +1,167 @@
+"""The ``raytrain`` console script: parse flags, call the API, map errors to exit codes.
+
+Exit codes: 0 success, 2 bad input (config, flag, path), 1 the run failed, 130 interrupted.
+Errors print as one line; ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from raytrain_app.config import load_config
+from raytrain_app.errors import BadInputError, RunFailedError
+from raytrain_app.logging_setup import setup_logging
+
+logger = logging.getLogger("raytrain_app.cli")
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", "-c", metavar="PATH", help="YAML config (default: the built-in quickstart)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.lr=3e-4 (repeatable)",
+    )
+    parser.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="Ray cluster to use (default: RAY_ADDRESS, else start Ray here)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="raytrain", description="Data-parallel PyTorch training on Ray, laptop to SLURM."
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train a model (default: the quickstart)")
+    _add_config_flags(train)
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    plan = commands.add_parser("plan", help="print the resolved plan; start nothing")
+    _add_config_flags(plan)
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+
+    predict = commands.add_parser("predict", help="single-device inference from a checkpoint")
+    predict.add_argument(
+        "--checkpoint", required=True, metavar="PATH", help="checkpoint directory or run directory"
+    )
+    predict.add_argument(
+        "--input",
+        metavar="PARQUET",
+        help="Parquet file with the training data's columns "
+        "(default: the training data's validation split)",
+    )
+    predict.add_argument(
+        "--output",
+        default="predictions.parquet",
+        metavar="PARQUET",
+        help="where to write predictions (default: %(default)s)",
+    )
+    return parser
+
+
+def _format_plan(env, plan) -> str:
+    r = env.resources
+    gpu = (
+        f", GPU {env.gpu.name} (cc {env.gpu.capability[0]}.{env.gpu.capability[1]})"
+        if env.gpu
+        else ""
+    )
+    return "\n".join(
+        [
+            f"environment : {env.platform}, python {env.python}, torch {env.torch_version}, "
+            f"launcher {env.launcher}",
+            f"resources   : {r.cpus:g} CPUs, {r.gpus:g} GPUs, {r.nodes} node(s) ({r.source}){gpu}",
+            f"workers     : {plan.world_size} on {plan.device} ({plan.cpus_per_worker:g} CPU"
+            + (f", {plan.gpus_per_worker:g} GPU" if plan.use_gpu else "")
+            + " each)",
+            f"batch       : {plan.per_worker_batch_size} per worker x {plan.world_size} workers x "
+            f"{plan.grad_accum_steps} accumulation = {plan.effective_batch_size} effective",
+            f"precision   : {plan.precision}"
+            + (" + GradScaler" if plan.grad_scaler else "")
+            + (", TF32 matmul" if plan.tf32 else ""),
+            f"distributed : {plan.strategy} over {plan.backend}, timeout {plan.timeout_s}s",
+            f"lr          : {plan.lr:.4g} (base {plan.base_lr:.4g}, scaling {plan.lr_scaling}), "
+            f"warmup {plan.warmup_steps} steps, cosine to {plan.min_lr_ratio:g}x",
+            f"dataloader  : {plan.dataloader_workers} loader processes per worker, "
+            f"pin_memory {plan.pin_memory}",
+        ]
+    )
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from raytrain_app.driver import connected_plan
+
+    cfg = load_config(args.config, args.overrides)
+    env, plan = connected_plan(cfg, args.address)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(_format_plan(env, plan))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from raytrain_app.driver import train
+
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg, address=args.address, progress=not args.no_progress)
+    s = result.summary
+    final = s["final_metrics"]
+    print(f"run directory : {result.run_dir}")
+    print(
+        f"final         : epoch {final.get('epoch')}, train_loss {final.get('train_loss', 0):.4f}"
+        f", val_loss {final.get('val_loss', 0):.4f}"
+    )
+    print(
+        f"batch         : effective {s['effective_batch_size']} = {s['world_size']} workers x "
+        f"{s['per_worker_batch_size']} x {s['grad_accum_steps']} accumulation; {s['precision']}"
+    )
+    print(f"throughput    : {s['samples_per_s']:.0f} samples/s; wall time {s['wall_time_s']:.1f} s")
+    print(f"checkpoint    : {s['checkpoint']}")
+    return 0
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from raytrain_app.predict import predict
+
+    output = predict(args.checkpoint, args.input, args.output)
+    print(f"predictions written to {output}")
+    return 0
+
+
+_COMMANDS = {"train": _cmd_train, "plan": _cmd_plan, "predict": _cmd_predict}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(logging.DEBUG if args.debug else logging.INFO)
+    try:
+        return _COMMANDS[args.command](args)
+    except (BadInputError, RunFailedError) as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(
+            "interrupted; run the same command again to resume from the last checkpoint",
+            file=sys.stderr,
+        )
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Built-in data: the synthetic wind generator and Parquet (context, horizon) windows."""

@@ -1,0 +1,222 @@
+"""The driver side of ``raytrain train``: config → plan → TorchTrainer → run directory.
+
+It connects to (or starts) Ray, makes the plan, checks the workload once on the driver so
+bad input fails fast with exit code 2, then runs a ``TorchTrainer`` whose workers execute
+``loop.train_worker``, and finally writes ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from raytrain_app.config import RaytrainConfig, config_to_dict
+from raytrain_app.environment import (
+    Environment,
+    apply_ray_train_defaults,
+    detect_environment,
+    ray_cluster_resources,
+)
+from raytrain_app.errors import BadInputError, RunFailedError
+from raytrain_app.loop import WorkerTask, train_worker
+from raytrain_app.plan import TrainingPlan, make_plan, resolve_config, steps_per_epoch
+from raytrain_app.progress import DriverProgress
+from raytrain_app.run_directory import RunDirectory
+from raytrain_app.workloads import FactoryRef, build_data, build_model, model_factory, prepare_data
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` returns: where the run lives and how it ended."""
+
+    run_dir: Path
+    summary: dict[str, Any]
+    metrics: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def checkpoint(self) -> Path:
+        return Path(self.summary["checkpoint"])
+
+
+@contextmanager
+def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
+    """Connect to ``address`` (or ``RAY_ADDRESS``), reuse a live session, or start Ray here.
+
+    Yields the environment with the cluster's resources; shuts down only a Ray it started.
+    """
+    started = False
+    if not ray.is_initialized():
+        target = address or env.ray_address
+        if target:
+            ray.init(address=target, logging_level=logging.WARNING)
+        else:
+            # An embedded single-machine cluster sized like the plan assumed. It keeps the
+            # dashboard: Ray Train's placement-group cleanup needs its State API.
+            ray.init(num_cpus=int(env.resources.cpus), logging_level=logging.WARNING)
+        started = True
+    try:
+        resources, gpu = ray_cluster_resources()
+        yield env.with_resources(resources, gpu)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def connected_plan(cfg: RaytrainConfig, address: str | None) -> tuple[Environment, TrainingPlan]:
+    """Plan against a running cluster when one is named, else against this machine."""
+    env = detect_environment()
+    if address or env.ray_address:
+        with ray_session(address, env) as cluster_env:
+            return cluster_env, make_plan(cfg, cluster_env)
+    return env, make_plan(cfg, env)
+
+
+def preflight(cfg: RaytrainConfig, run_dir: RunDirectory, plan: TrainingPlan) -> FactoryRef:
+    """Prepare the data and build data and model once on the driver.
+
+    Catches a broken workload (bad params, failing import, too little data) before any
+    worker starts, as a one-line BadInputError instead of retried worker failures.
+    """
+    data_ref = prepare_data(cfg.data, run_dir.data, cfg.experiment.seed)
+    splits = _checked("data", build_data, data_ref, cfg.experiment.seed)
+    _checked("model", build_model, model_factory(cfg.model), dict(splits.info))
+    steps_per_epoch(len(splits.train), plan.effective_batch_size)
+    return data_ref
+
+
+def _checked(section: str, factory: Any, *args: Any) -> Any:
+    """Call a workload factory; its ValueError/TypeError becomes a one-line bad-input error."""
+    try:
+        return factory(*args)
+    except BadInputError:
+        raise
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BadInputError(
+            f"{section}: {message}; fix the {section} section of the config"
+        ) from exc
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The user's exception inside Ray's wrappers (worker group / task errors)."""
+    seen = exc
+    for _ in range(10):
+        inner = getattr(seen, "cause", None) or seen.__cause__
+        if hasattr(seen, "worker_failures"):
+            failures = list(seen.worker_failures.values())
+            inner = failures[0] if failures else inner
+        if inner is None or inner is seen:
+            return seen
+        seen = inner
+    return seen
+
+
+def _run_trainer(
+    task: WorkerTask, cfg: RaytrainConfig, run_dir: RunDirectory, progress: bool
+) -> ray.train.Result:
+    plan = task.plan
+    run_config = ray.train.RunConfig(
+        name=cfg.experiment.name,
+        storage_path=str(run_dir.checkpoints),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+        # Ray Train's per-report INFO lines would drown raytrain's own epoch lines.
+        logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+    )
+    scaling = ray.train.ScalingConfig(
+        num_workers=plan.world_size,
+        use_gpu=plan.use_gpu,
+        resources_per_worker={
+            "CPU": plan.cpus_per_worker,
+            **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
+        },
+    )
+    with DriverProgress(enabled=progress) as bar:
+        task.progress = bar.tracker
+        trainer = TorchTrainer(
+            _train_loop_entry,
+            train_loop_config={"task": task},
+            torch_config=TorchConfig(backend=plan.backend, timeout_s=plan.timeout_s),
+            scaling_config=scaling,
+            run_config=run_config,
+        )
+        return trainer.fit()
+
+
+def _train_loop_entry(config: dict[str, Any]) -> dict[str, Any]:
+    return train_worker(config["task"])
+
+
+def _summary(result: ray.train.Result, plan: TrainingPlan, wall: float) -> dict[str, Any]:
+    returned = result.return_value or {}
+    history = returned.get("history", [])
+    total_samples = sum(row["samples_per_s"] * row["epoch_time_s"] for row in history)
+    train_time = sum(row["epoch_time_s"] for row in history)
+    return {
+        "final_metrics": history[-1] if history else {},
+        "epochs_completed": len(history),
+        "world_size": plan.world_size,
+        "per_worker_batch_size": plan.per_worker_batch_size,
+        "grad_accum_steps": plan.grad_accum_steps,
+        "effective_batch_size": plan.effective_batch_size,
+        "precision": plan.precision,
+        "backend": plan.backend,
+        "strategy": plan.strategy,
+        "lr": plan.lr,
+        "wall_time_s": round(wall, 3),
+        "samples_per_s": total_samples / train_time if train_time else 0.0,
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "worker_nodes": returned.get("worker_nodes", []),
+    }
+
+
+def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = True) -> TrainResult:
+    """Train ``cfg`` with DDP on Ray; resumes the run of the same name and config if any.
+
+    Raises:
+        BadInputError: the config, data or model is invalid (nothing was written).
+        RunFailedError: the run started and failed.
+    """
+    start = time.perf_counter()
+    env = detect_environment()
+    apply_ray_train_defaults()
+    with ray_session(address, env) as cluster_env:
+        plan = make_plan(cfg, cluster_env)
+        resolved = resolve_config(cfg, plan)
+        run_dir = RunDirectory.for_config(resolved)
+        resuming = run_dir.check_resumable(resolved)
+        data_ref = preflight(resolved, run_dir, plan)
+        run_dir.write_config(resolved)
+        logger.info("%s run in %s", "resuming" if resuming else "starting", run_dir.root)
+        task = WorkerTask(
+            config=config_to_dict(resolved),
+            plan=plan,
+            data=data_ref,
+            model=model_factory(resolved.model),
+            run_dir=str(run_dir.root),
+        )
+        try:
+            result = _run_trainer(task, resolved, run_dir, progress)
+        except ray.train.TrainingFailedError as exc:
+            cause = _root_cause(exc)
+            if isinstance(cause, BadInputError):
+                raise BadInputError(str(cause)) from exc
+            raise RunFailedError(
+                f"training failed: {type(cause).__name__}: {cause}".splitlines()[0]
+            ) from exc
+    summary = _summary(result, plan, time.perf_counter() - start)
+    run_dir.write_summary(summary)
+    from raytrain_app.metrics_log import read_metrics
+
+    return TrainResult(run_dir=run_dir.root, summary=summary, metrics=read_metrics(run_dir.root))

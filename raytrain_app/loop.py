@@ -1,0 +1,390 @@
+"""The per-worker training loop: setup, resume, train, validate, checkpoint.
+
+It runs inside every Ray Train worker (or a Tune trial) and talks to its runtime only
+through a ``WorkerSession``. Decisions (batch split, precision, lr) come from the plan;
+the loop only carries them out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from raytrain_app import checkpoint as ckpt
+from raytrain_app.config import RaytrainConfig, config_from_dict
+from raytrain_app.logging_setup import setup_logging
+from raytrain_app.metrics_log import MetricsLog
+from raytrain_app.plan import TrainingPlan, lr_factor, steps_per_epoch
+from raytrain_app.protocol import ModelSpec
+from raytrain_app.rank_zero import is_rank_zero, rank_zero_info, set_rank
+from raytrain_app.session import RayTrainSession, WorkerSession, scratch_dir
+from raytrain_app.workloads import FactoryRef, build_data, build_model
+
+logger = logging.getLogger(__name__)
+
+# How often rank 0 pushes a progress update to the driver; cheap, fire-and-forget.
+_PROGRESS_INTERVAL_S = 0.5
+
+
+@dataclass
+class WorkerTask:
+    """Everything a worker needs, prepared by the driver (picklable)."""
+
+    config: dict[str, Any]
+    plan: TrainingPlan
+    data: FactoryRef
+    model: FactoryRef
+    run_dir: str
+    progress: Any = None  # a ProgressTracker actor handle, or None
+
+
+@dataclass
+class LoopState:
+    """Counters saved in checkpoints."""
+
+    epoch: int = 0  # completed epochs
+    step: int = 0  # completed optimizer steps
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def train_worker(task: WorkerTask) -> dict[str, Any]:
+    """Ray Train entry point (``train_loop_per_worker``)."""
+    return WorkerLoop(task, RayTrainSession()).run()
+
+
+def _all_reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Sum each value over all workers with one collective."""
+    keys = sorted(sums)
+    stacked = torch.stack([sums[k].double() for k in keys])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+    return dict(zip(keys, stacked.tolist(), strict=True))
+
+
+def _gather(obj: Any, world_size: int) -> list[Any]:
+    if world_size == 1 or not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class _Averages:
+    """Sample-weighted sums of loss and metrics; exact global means after one all-reduce."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, values: dict[str, torch.Tensor], num_samples: int) -> None:
+        for key, value in values.items():
+            weighted = value.detach().double() * num_samples
+            self.sums[key] = (
+                self.sums.get(key, torch.zeros((), dtype=torch.float64, device=self.device))
+                + weighted
+            )
+        count = torch.tensor(float(num_samples), dtype=torch.float64, device=self.device)
+        self.sums["_count"] = self.sums.get("_count", torch.zeros_like(count)) + count
+
+    def global_means(self, prefix: str) -> dict[str, float]:
+        totals = _all_reduce_sums(self.sums)
+        count = totals.pop("_count")
+        return {f"{prefix}{k}": v / count for k, v in totals.items()}
+
+
+class WorkerLoop:
+    """One worker's run; read ``run`` top to bottom."""
+
+    def __init__(self, task: WorkerTask, session: WorkerSession) -> None:
+        self.task = task
+        self.session = session
+        self.plan = task.plan
+        self.cfg: RaytrainConfig = config_from_dict(task.config)
+        self.rank = session.world_rank
+        self.world_size = session.world_size
+        self.state = LoopState()
+        self._metric_names: list[str] = []
+
+    def run(self) -> dict[str, Any]:
+        setup_logging()
+        set_rank(self.rank)
+        self.setup()
+        self.resume()
+        nodes = sorted(set(_gather(self.session.node_address(), self.world_size)))
+        metrics_log = (
+            MetricsLog(Path(self.task.run_dir), self.state.epoch) if is_rank_zero() else None
+        )
+        for epoch in range(self.state.epoch, self.cfg.train.epochs):
+            row = self.train_epoch(epoch)
+            row.update(self.validate())
+            self.state.epoch, self.state.history = epoch + 1, [*self.state.history, row]
+            if metrics_log:
+                metrics_log.append(row)
+            rank_zero_info(
+                logger,
+                "epoch %d/%d: %s",
+                epoch + 1,
+                self.cfg.train.epochs,
+                ", ".join(f"{k}={v:.4g}" for k, v in row.items() if k != "epoch"),
+            )
+            self.report(row, due=self._checkpoint_due(epoch))
+        return {"history": self.state.history, "worker_nodes": nodes}
+
+    # -- setup ---------------------------------------------------------------------------
+    def setup(self) -> None:
+        plan, cfg = self.plan, self.cfg
+        torch.set_num_threads(max(1, int(plan.cpus_per_worker)))
+        if plan.tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.device = self.session.device()
+        seed = cfg.experiment.seed
+        splits = build_data(self.task.data, seed)
+        self.data_info = dict(splits.info)
+        # Same seed on every rank and for every world size: identical initial weights.
+        torch.manual_seed(seed)
+        self.spec: ModelSpec = build_model(self.task.model, self.data_info)
+        self.module = self.spec.module
+        self.model = self.session.prepare_model(
+            self.module,
+            plan.strategy,
+            {"find_unused_parameters": cfg.distributed.find_unused_parameters}
+            if plan.strategy == "ddp"
+            else {},
+        )
+        self.train_loader, self.val_loader = self._loaders(splits.train, splits.val)
+        self.steps_per_epoch = steps_per_epoch(len(splits.train), plan.effective_batch_size)
+        self.total_steps = self.steps_per_epoch * cfg.train.epochs
+        self.optimizer = self._optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_factor(step, plan.warmup_steps, self.total_steps, plan.min_lr_ratio),
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=plan.grad_scaler)
+        # Dropout and other runtime randomness differ per rank, as independent replicas should.
+        self._seed_runtime_rng(seed + 1 + self.rank)
+        rank_zero_info(logger, "plan: %s", self._plan_line(len(splits.train), len(splits.val)))
+
+    def _plan_line(self, n_train: int, n_val: int) -> str:
+        p = self.plan
+        params = sum(t.numel() for t in self.module.parameters())
+        return (
+            f"{p.world_size} worker(s) x micro-batch {p.per_worker_batch_size} x accumulation "
+            f"{p.grad_accum_steps} = global batch {p.effective_batch_size}; {p.precision} on "
+            f"{p.device}, {p.backend}, {p.strategy}; lr {p.lr:.3g}; {params:,} parameters; "
+            f"{n_train:,} train / {n_val:,} val samples; {self.steps_per_epoch} steps per epoch"
+        )
+
+    @staticmethod
+    def _seed_runtime_rng(seed: int) -> None:
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
+        random.seed(seed)
+
+    def _loaders(self, train_set, val_set) -> tuple[DataLoader, DataLoader]:
+        plan = self.plan
+        loader_kwargs: dict[str, Any] = {
+            "num_workers": plan.dataloader_workers,
+            "pin_memory": plan.pin_memory,
+        }
+        if plan.dataloader_workers > 0:
+            loader_kwargs["persistent_workers"] = self.cfg.dataloader.persistent_workers
+            loader_kwargs["prefetch_factor"] = self.cfg.dataloader.prefetch_factor
+        # One sampler for every world size: rank r takes every W-th index of the same
+        # seeded permutation, so a global step sees the same samples for 1 or 64 workers.
+        sampler = DistributedSampler(
+            train_set,
+            num_replicas=self.world_size,
+            rank=self.rank,
+            shuffle=True,
+            seed=self.cfg.experiment.seed,
+        )
+        self.sampler = sampler
+        train = DataLoader(
+            train_set,
+            batch_size=plan.per_worker_batch_size,
+            sampler=sampler,
+            drop_last=True,
+            **loader_kwargs,
+        )
+        # Validation shards without padding so that every sample counts exactly once.
+        val_shard = Subset(val_set, range(self.rank, len(val_set), self.world_size))
+        val = DataLoader(
+            val_shard,
+            batch_size=plan.per_worker_batch_size * plan.grad_accum_steps,
+            **loader_kwargs,
+        )
+        return self.session.prepare_loader(train), self.session.prepare_loader(val)
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        train = self.cfg.train
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if train.optimizer == "sgd":
+            return torch.optim.SGD(
+                params, lr=self.plan.lr, momentum=0.9, weight_decay=train.weight_decay
+            )
+        optimizer_cls = torch.optim.AdamW if train.optimizer == "adamw" else torch.optim.Adam
+        return optimizer_cls(params, lr=self.plan.lr, weight_decay=train.weight_decay)
+
+    # -- resume ---------------------------------------------------------------------------
+    def resume(self) -> None:
+        with self.session.restored_checkpoint() as directory:
+            if directory is None:
+                return
+            state = ckpt.load_train_state(directory)
+            weights = torch.load(
+                directory / ckpt.MODEL_FILE, map_location=self.device, weights_only=True
+            )
+        self.module.load_state_dict(weights)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.state = LoopState(state["epoch"], state["step"], state["history"])
+        rng = state["rng"]
+        if len(rng) == self.world_size:
+            ckpt.set_rng_state(rng[self.rank])
+        else:
+            rank_zero_info(
+                logger,
+                "checkpoint was written by %d workers, this run has %d: "
+                "random streams restart from the seed",
+                len(rng),
+                self.world_size,
+            )
+        rank_zero_info(
+            logger,
+            "resumed from %s after epoch %d (step %d)",
+            directory,
+            self.state.epoch,
+            self.state.step,
+        )
+
+    # -- train ----------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.plan.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def _sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
+        # Gradients are all-reduced only on the last micro-step of an accumulation window.
+        if not last_micro_step and isinstance(self.model, nn.parallel.DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def train_epoch(self, epoch: int) -> dict[str, float]:
+        self.model.train()
+        self.sampler.set_epoch(epoch)  # Ray's prepare_data_loader never does this.
+        accum = self.plan.grad_accum_steps
+        averages = _Averages(self.device)
+        batches = iter(self.train_loader)
+        start = last_push = time.perf_counter()
+        for step_in_epoch in range(self.steps_per_epoch):
+            for micro in range(accum):
+                with self._sync_context(micro == accum - 1):
+                    with self._autocast():
+                        out = self.spec.step(self.model, next(batches))
+                    self.scaler.scale(out.loss / accum).backward()
+                averages.add({"loss": out.loss, **out.metrics}, out.num_samples)
+            self._metric_names = list(out.metrics)
+            self._optimizer_step()
+            now = time.perf_counter()
+            if (
+                self.task.progress is not None
+                and is_rank_zero()
+                and (
+                    now - last_push >= _PROGRESS_INTERVAL_S
+                    or step_in_epoch + 1 == self.steps_per_epoch
+                )
+            ):
+                last_push = now
+                self._push_progress(epoch, step_in_epoch + 1, out.loss, now - start)
+        elapsed = time.perf_counter() - start
+        row = {"epoch": epoch + 1, "step": self.state.step, **averages.global_means("train_")}
+        row["lr"] = self.scheduler.get_last_lr()[0]
+        row["samples_per_s"] = self.steps_per_epoch * self.plan.effective_batch_size / elapsed
+        row["epoch_time_s"] = elapsed
+        return row
+
+    def _optimizer_step(self) -> None:
+        if self.cfg.train.grad_clip is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.state.step += 1
+
+    def _push_progress(self, epoch: int, step: int, loss: torch.Tensor, elapsed: float) -> None:
+        self.task.progress.update.remote(
+            epoch=epoch + 1,
+            epochs=self.cfg.train.epochs,
+            step=step,
+            steps=self.steps_per_epoch,
+            loss=float(loss.detach()),
+            samples_per_s=step * self.plan.effective_batch_size / max(elapsed, 1e-9),
+        )
+
+    # -- validate -------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        # The bare module: DDP's forward would sync buffers, and ranks run different
+        # numbers of validation batches.
+        self.module.eval()
+        averages = _Averages(self.device)
+        for batch in self.val_loader:
+            with self._autocast():
+                out = self.spec.step(self.module, batch)
+            averages.add({"loss": out.loss, **out.metrics}, out.num_samples)
+        if not averages.sums:  # a rank with no validation samples still joins the reduce
+            zero = torch.zeros((), device=self.device)
+            averages.add({"loss": zero, **dict.fromkeys(self._metric_names, zero)}, 0)
+        return averages.global_means("val_")
+
+    # -- checkpoint and report -------------------------------------------------------------
+    def _checkpoint_due(self, epoch: int) -> bool:
+        every = self.cfg.train.checkpoint_every_epochs
+        return (epoch + 1) % every == 0 or epoch + 1 == self.cfg.train.epochs
+
+    def report(self, row: dict[str, float], due: bool) -> None:
+        """Report the epoch on every rank (Ray requires equal counts); rank 0 checkpoints."""
+        rngs = _gather(ckpt.rng_state(), self.world_size) if due else None
+        if not (due and is_rank_zero()):
+            self.session.report(row, None)
+            return
+        with scratch_dir() as directory:
+            ckpt.save_checkpoint(
+                directory,
+                model=self.model,
+                train_state={
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "scaler": self.scaler.state_dict(),
+                    "epoch": self.state.epoch,
+                    "step": self.state.step,
+                    "history": self.state.history,
+                    "rng": rngs,
+                },
+                meta={
+                    "model_factory": asdict(self.task.model),
+                    "data_factory": asdict(self.task.data),
+                    "data_info": self.data_info,
+                    "config": self.task.config,
+                    "epoch": self.state.epoch,
+                    "step": self.state.step,
+                    "metrics": row,
+                },
+            )
+            self.session.report(row, directory)

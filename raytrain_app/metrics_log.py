@@ -1,0 +1,55 @@
+"""``metrics.csv`` of a run: one row per epoch, written by rank 0 only."""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+METRICS_FILE = "metrics.csv"
+BASE_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "lr", "samples_per_s", "epoch_time_s")
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """The rows of ``metrics.csv`` as floats (ints for epoch and step); [] when absent."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    with path.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    return [
+        {k: (int(v) if k in ("epoch", "step") else float(v)) for k, v in row.items() if v != ""}
+        for row in rows
+    ]
+
+
+class MetricsLog:
+    """Appends epoch rows; on resume it first drops rows after the restored epoch."""
+
+    def __init__(self, run_dir: Path, resumed_epoch: int) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        kept = [row for row in read_metrics(run_dir) if row["epoch"] <= resumed_epoch]
+        self._columns: list[str] | None = list(kept[0]) if kept else None
+        # Rewrite atomically so a crash here never leaves a half-written history.
+        tmp = self.path.with_name(METRICS_FILE + ".tmp")
+        with tmp.open("w", newline="") as handle:
+            if kept:
+                writer = csv.DictWriter(handle, fieldnames=self._columns)
+                writer.writeheader()
+                writer.writerows(kept)
+        os.replace(tmp, self.path)
+
+    def append(self, row: Mapping[str, float]) -> None:
+        """Add one epoch's row; the first row fixes the columns."""
+        if self._columns is None:
+            extra = sorted(k for k in row if k not in BASE_COLUMNS)
+            self._columns = [*BASE_COLUMNS, *extra]
+            header = True
+        else:
+            header = False
+        with self.path.open("a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=self._columns, extrasaction="ignore")
+            if header:
+                writer.writeheader()
+            writer.writerow(row)

@@ -1,0 +1,1 @@
+"""Built-in models: pure nn.Modules with no device, rank or DDP logic."""

@@ -1,0 +1,91 @@
+"""The contract between raytrain and a workload: what model and data factories return.
+
+A workload is two importable factories, named in the config as ``model.target`` and
+``data.target`` (``"my_pkg.models:build"``). The built-in wind forecaster uses exactly the
+same protocol, so anything it can do, a user's workload can do.
+
+Data factory::
+
+    def build_data(params: dict, seed: int) -> DataSplits
+
+It runs inside every training worker and must be deterministic for a given ``seed``.
+It returns map-style ``torch.utils.data.Dataset`` objects; raytrain wraps them in
+DataLoaders with a ``DistributedSampler`` and splits the batch. ``info`` carries whatever
+the model needs to size itself (number of features, horizon, normalisation statistics)
+and is saved in every checkpoint, so ``load_model`` can rebuild the model without data.
+
+Model factory::
+
+    def build_model(params: dict, data_info: dict) -> ModelSpec
+
+It returns a plain ``nn.Module`` (no ``.cuda()``, no DDP, no rank logic: raytrain places
+and wraps it) and a ``step`` function computing the loss of one batch.
+
+Step function::
+
+    def step(module: nn.Module, batch) -> StepOutput
+
+``loss`` is the mean over the batch's samples (what ``backward`` sees); ``metrics`` are
+extra per-sample means (e.g. ``mae``). raytrain turns both into exact global values over
+all workers by weighting with ``num_samples``. Batches arrive on the training device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Loss and metrics of one batch.
+
+    Attributes:
+        loss: scalar tensor, the mean loss over the batch's samples; backpropagated.
+        num_samples: number of samples in the batch, the weight of this batch's means.
+        metrics: extra scalar per-sample means to report (detached or not).
+    """
+
+    loss: torch.Tensor
+    num_samples: int
+    metrics: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+StepFn = Callable[[nn.Module, Any], StepOutput]
+PredictFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model factory returns.
+
+    Attributes:
+        module: the plain model; raytrain moves it to the device and wraps it in DDP.
+        step: computes the loss (and metrics) of one batch; used for training and validation.
+        predict: maps a batch to predictions for ``raytrain predict``; ``None`` means
+            ``module(batch[0])``.
+    """
+
+    module: nn.Module
+    step: StepFn
+    predict: PredictFn | None = None
+
+
+@dataclass(frozen=True)
+class DataSplits:
+    """What a data factory returns.
+
+    Attributes:
+        train: map-style dataset of training samples.
+        val: map-style dataset of validation samples.
+        info: JSON-serialisable facts the model factory needs; stored in checkpoints.
+    """
+
+    train: Dataset
+    val: Dataset
+    info: Mapping[str, Any] = field(default_factory=dict)

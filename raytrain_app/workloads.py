@@ -1,0 +1,142 @@
+"""Turn the config's model and data sections into importable factories and their params.
+
+Built-in workloads are registered by name and resolve to the same ``"module:attr"`` form a
+user's ``target`` has, so workers only ever see a ``FactoryRef``: picklable, importable
+anywhere, and identical for built-in and user code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raytrain_app.config import DataConfig, ModelConfig
+from raytrain_app.errors import BadInputError
+from raytrain_app.protocol import DataSplits, ModelSpec
+
+BUILTIN_MODELS = {"wind_transformer": "raytrain_app.models.wind_transformer:build"}
+BUILTIN_DATA = {"synthetic_wind": "raytrain_app.data.parquet_windows:build"}
+_PARQUET_FACTORY = "raytrain_app.data.parquet_windows:build"
+# The synthetic data fixes its columns; only the windowing stays the user's choice.
+_SYNTHETIC_WINDOW_PARAMS = ("context_length", "horizon", "val_fraction", "stride")
+
+
+@dataclass(frozen=True)
+class FactoryRef:
+    """An importable factory and the params it is called with."""
+
+    target: str
+    params: dict[str, Any] = field(default_factory=dict)
+    config_key: str = "model.target"
+
+
+def import_target(target: str, config_key: str) -> Any:
+    """Import ``"pkg.module:attr"``; a failure names the config key that holds it."""
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise BadInputError(
+            f"{config_key}={target!r} is not of the form 'package.module:function'; "
+            f"fix {config_key}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BadInputError(
+            f"{config_key}={target!r} cannot be imported ({exc}); install the package or "
+            f"add its directory to PYTHONPATH"
+        ) from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise BadInputError(
+            f"{config_key}={target!r}: module '{module_name}' has no attribute '{attr}'; "
+            f"fix {config_key}"
+        ) from None
+
+
+def _builtin(name: str, registry: dict[str, str], key: str) -> str:
+    if name not in registry:
+        raise BadInputError(
+            f"{key}={name!r} is not a built-in; use one of {', '.join(sorted(registry))} "
+            f"or set {key.split('.')[0]}.target to your own factory"
+        )
+    return registry[name]
+
+
+def model_factory(model: ModelConfig) -> FactoryRef:
+    """The factory that builds the model named by the ``model`` section."""
+    if model.target:
+        return FactoryRef(model.target, dict(model.params), "model.target")
+    return FactoryRef(_builtin(model.name, BUILTIN_MODELS, "model.name"), dict(model.params))
+
+
+def _check_params(params: dict, allowed: tuple[str, ...], section: str) -> None:
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise BadInputError(
+            f"unknown key '{section}.params.{unknown[0]}'; allowed keys are {', '.join(allowed)}"
+        )
+
+
+def prepare_data(data: DataConfig, data_dir: Path, seed: int) -> FactoryRef:
+    """Do the driver-side data work once and return what workers call to load the data.
+
+    The synthetic dataset is generated here, once, and cached as Parquet in ``data_dir``;
+    workers then read the file like any user Parquet data.
+    """
+    from raytrain_app.data import parquet_windows, synthetic_wind
+
+    if data.target:
+        return FactoryRef(data.target, dict(data.params), "data.target")
+    if data.path:
+        _check_params(data.params, parquet_windows.WINDOW_PARAMS, "data")
+        return FactoryRef(_PARQUET_FACTORY, {"path": data.path, **data.params}, "data.path")
+    _builtin(data.name, BUILTIN_DATA, "data.name")
+    allowed = synthetic_wind.GENERATOR_PARAMS + _SYNTHETIC_WINDOW_PARAMS
+    _check_params(data.params, allowed, "data")
+    generator = {k: v for k, v in data.params.items() if k in synthetic_wind.GENERATOR_PARAMS}
+    windows = {k: v for k, v in data.params.items() if k not in generator}
+    path = synthetic_wind.materialize(data_dir, seed=seed, **{**_generator_defaults(), **generator})
+    params = {
+        "path": str(path),
+        "feature_columns": list(synthetic_wind.FEATURE_COLUMNS),
+        "target_column": synthetic_wind.TARGET_COLUMN,
+        "group_column": synthetic_wind.GROUP_COLUMN,
+        "time_column": synthetic_wind.TIME_COLUMN,
+        **windows,
+    }
+    return FactoryRef(_PARQUET_FACTORY, params, "data.name")
+
+
+def _generator_defaults() -> dict[str, Any]:
+    """The generator's own keyword defaults, so they live in one place (its signature)."""
+    import inspect
+
+    from raytrain_app.data import synthetic_wind
+
+    signature = inspect.signature(synthetic_wind.generate)
+    return {name: signature.parameters[name].default for name in synthetic_wind.GENERATOR_PARAMS}
+
+
+def build_data(ref: FactoryRef, seed: int) -> DataSplits:
+    """Call the data factory (inside a worker) and check it kept the protocol."""
+    splits = import_target(ref.target, ref.config_key)(dict(ref.params), seed)
+    if not isinstance(splits, DataSplits):
+        raise BadInputError(
+            f"{ref.config_key}={ref.target!r} returned {type(splits).__name__}, not "
+            f"raytrain_app.DataSplits; see the 'Bringing your own model and data' README section"
+        )
+    return splits
+
+
+def build_model(ref: FactoryRef, data_info: dict) -> ModelSpec:
+    """Call the model factory and check it kept the protocol."""
+    spec = import_target(ref.target, ref.config_key)(dict(ref.params), dict(data_info))
+    if not isinstance(spec, ModelSpec):
+        raise BadInputError(
+            f"{ref.config_key}={ref.target!r} returned {type(spec).__name__}, not "
+            f"raytrain_app.ModelSpec; see the 'Bringing your own model and data' README section"
+        )
+    return spec

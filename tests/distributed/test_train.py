@@ -1,0 +1,157 @@
+"""`raytrain train` end to end on a real Ray (CPU, gloo): what a user relies on."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import raytrain_app as rt
+from raytrain_app.checkpoint import MODEL_FILE, read_meta
+from raytrain_app.errors import BadInputError
+from raytrain_app.models.wind_transformer import WindTransformer
+from raytrain_app.workloads import FactoryRef, build_data
+
+pytestmark = pytest.mark.distributed
+
+EPOCHS = 3
+
+
+def small_config(output_dir: Path, name: str, workers: int, **train) -> dict:
+    """A run that keeps the quickstart's shape but finishes in seconds."""
+    return {
+        "experiment": {"name": name, "output_dir": str(output_dir), "seed": 0},
+        "data": {"params": {"num_turbines": 4, "num_hours": 720}},
+        "train": {"epochs": EPOCHS, "global_batch_size": 64, **train},
+        "scaling": {"num_workers": workers},
+        "fault_tolerance": {"max_failures": 0},
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tmp_path_factory):
+    """One 2-worker and one 1-worker run of the same config and seed."""
+    out = tmp_path_factory.mktemp("runs")
+    return {
+        workers: rt.train(small_config(out, f"w{workers}", workers), progress=False)
+        for workers in (2, 1)
+    }
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_loss_falls(runs, workers):
+    metrics = runs[workers].metrics
+    assert [row["epoch"] for row in metrics] == list(range(1, EPOCHS + 1))
+    assert metrics[-1]["val_loss"] < 0.8 * metrics[0]["val_loss"]
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_run_directory_is_complete(runs, workers):
+    result = runs[workers]
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    for key in (
+        "final_metrics",
+        "world_size",
+        "per_worker_batch_size",
+        "grad_accum_steps",
+        "effective_batch_size",
+        "precision",
+        "backend",
+        "wall_time_s",
+        "samples_per_s",
+        "checkpoint",
+        "worker_nodes",
+    ):
+        assert key in summary, key
+    assert summary["world_size"] == workers
+    assert summary["effective_batch_size"] == 64
+    assert summary["per_worker_batch_size"] * workers * summary["grad_accum_steps"] == 64
+    assert (summary["precision"], summary["backend"]) == ("fp32", "gloo")
+    assert summary["samples_per_s"] > 0 and len(summary["worker_nodes"]) == 1
+    assert (Path(summary["checkpoint"]) / MODEL_FILE).is_file()
+    with (result.run_dir / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == EPOCHS
+    for column in (
+        "epoch",
+        "step",
+        "train_loss",
+        "val_loss",
+        "lr",
+        "samples_per_s",
+        "epoch_time_s",
+        "val_mae",
+    ):
+        assert all(row[column] != "" for row in rows), column
+    # The resolved config is re-runnable as is: it loads and has no "auto" left.
+    resolved = rt.load_config(result.run_dir / "config.yaml")
+    assert resolved.scaling.num_workers == workers and resolved.precision == "fp32"
+
+
+def test_one_and_two_workers_train_the_same_optimisation(runs):
+    one, two = runs[1].metrics[-1], runs[2].metrics[-1]
+    assert two["step"] == one["step"]  # same optimizer steps: the global batch is the user's
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=0.02)
+
+
+def test_only_rank_zero_wrote_files(runs):
+    root = runs[2].run_dir
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    assert not [f for f in files if f.endswith(".tmp")], files
+    top_level = {f for f in files if "/" not in f}
+    assert top_level == {"config.yaml", "metrics.csv", "summary.json"}
+    checkpoints = sorted({Path(f).parent for f in files if f.endswith(MODEL_FILE)})
+    assert len(checkpoints) == 2  # train.keep_checkpoints default
+    for directory in checkpoints:
+        names = sorted(p.name for p in (root / directory).iterdir())
+        assert names == ["meta.json", "model.pt", "train_state.pt"], names
+    epochs = [row["epoch"] for row in runs[2].metrics]
+    assert epochs == sorted(set(epochs))  # one row per epoch, not one per rank
+
+
+def test_checkpoint_loads_into_a_plain_module_on_cpu(runs):
+    model = rt.load_model(runs[2].checkpoint)
+    assert type(model) is WindTransformer and not model.training
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    state = torch.load(runs[2].checkpoint / MODEL_FILE, weights_only=True)
+    assert not [k for k in state if k.startswith(("module.", "_orig_mod."))]
+    args = _constructor_args(runs[2].checkpoint)
+    plain = WindTransformer(**args)
+    plain.load_state_dict(state)  # a bare nn.Module, no raytrain needed
+    x = torch.randn(3, args["context_length"], args["num_features"])
+    assert torch.allclose(plain.eval()(x), model(x))
+
+
+def _constructor_args(checkpoint: Path) -> dict:
+    info = read_meta(checkpoint)["data_info"]
+    return {
+        "num_features": info["num_features"],
+        "context_length": info["context_length"],
+        "horizon": info["horizon"],
+    }
+
+
+def test_validation_loss_is_the_exact_global_mean(runs):
+    """Recompute val_loss on one CPU over the whole validation set: every sample once."""
+    meta = read_meta(runs[2].checkpoint)
+    splits = build_data(FactoryRef(**meta["data_factory"]), 0)
+    model = rt.load_model(runs[2].checkpoint)
+    with torch.no_grad():
+        xs, ys = zip(*(splits.val[i] for i in range(len(splits.val))), strict=True)
+        loss = nn.functional.mse_loss(model(torch.stack(xs)), torch.stack(ys)).item()
+    assert runs[2].metrics[-1]["val_loss"] == pytest.approx(loss, rel=1e-4)
+
+
+def test_a_different_config_under_an_existing_name_is_refused(runs):
+    root = runs[2].run_dir
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    cfg = small_config(root.parent, root.name, 2, lr=3e-3)
+    with pytest.raises(BadInputError, match=r"experiment.name 'w2' already holds a run.*train.lr"):
+        rt.train(cfg, progress=False)
+    after = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    assert after == before

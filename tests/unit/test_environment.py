@@ -1,0 +1,71 @@
+"""Environment detection from SLURM / torchrun variables (given as mappings, no monkeypatching
+of the real environment needed), plus the defaults raytrain gives Ray Train."""
+
+from __future__ import annotations
+
+import os
+
+from raytrain_app.environment import apply_ray_train_defaults, detect_environment
+
+
+def test_plain_machine():
+    env = detect_environment({})
+    assert env.launcher == "local" and env.slurm is None and env.torchrun is None
+    assert env.ray_address is None
+    assert env.resources.cpus >= 1 and env.resources.source == "this machine"
+
+
+def test_slurm_allocation():
+    env = detect_environment(
+        {
+            "SLURM_JOB_ID": "4242",
+            "SLURM_NTASKS": "2",
+            "SLURM_CPUS_PER_TASK": "6",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_GPUS_PER_NODE": "a100:4",
+            "RAY_ADDRESS": "10.0.0.1:6379",
+        }
+    )
+    assert env.launcher == "slurm"
+    assert (env.slurm.job_id, env.slurm.ntasks, env.slurm.num_nodes) == ("4242", 2, 2)
+    assert env.slurm.cpus_per_task == 6 and env.slurm.gpus_per_node == 4
+    assert env.resources.cpus == 6  # SLURM's per-task CPUs, not the node's
+    assert env.ray_address == "10.0.0.1:6379"
+
+
+def test_slurm_gpus_on_node_wins_and_garbage_is_ignored():
+    env = detect_environment(
+        {
+            "SLURM_JOB_ID": "1",
+            "SLURM_GPUS_ON_NODE": "8",
+            "SLURM_GPUS_PER_NODE": "2",
+            "SLURM_NTASKS": "x",
+        }
+    )
+    assert env.slurm.gpus_per_node == 8 and env.slurm.ntasks == 1
+
+
+def test_torchrun_variables():
+    env = detect_environment(
+        {"TORCHELASTIC_RUN_ID": "abc", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}
+    )
+    assert env.launcher == "torchrun"
+    assert (env.torchrun.rank, env.torchrun.local_rank, env.torchrun.world_size) == (3, 1, 4)
+
+
+def test_environment_is_immutable():
+    env = detect_environment({})
+    try:
+        env.launcher = "slurm"  # type: ignore[misc]
+    except AttributeError:
+        pass
+    else:
+        raise AssertionError("Environment must be frozen")
+
+
+def test_ray_train_defaults_respect_the_user(monkeypatch):
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1.5")
+    monkeypatch.delenv("RAY_TRAIN_ENABLE_PRINT_PATCH", raising=False)
+    apply_ray_train_defaults()
+    assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "1.5"
+    assert os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
