@@ -18,3 +18,12 @@ def setup_logging(level: int = logging.INFO) -> None:
         logger.addHandler(handler)
     # Our handler prints; letting records reach the root logger would print them twice.
     logger.propagate = False
+
+
+def quiet_ray_train_worker_logs() -> None:
+    """Drop Ray Train's per-report INFO lines in a worker; warnings and errors still show.
+
+    ``RunConfig.logging_config`` filters Ray Train's own handler, but in workers the same
+    records also propagate to Ray's ``ray`` logger, which prints them at INFO.
+    """
+    logging.getLogger("ray.train").setLevel(logging.WARNING)

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from raytrain_app import checkpoint as ckpt
 from raytrain_app.config import RaytrainConfig, config_from_dict
-from raytrain_app.logging_setup import setup_logging
+from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
 from raytrain_app.metrics_log import MetricsLog
 from raytrain_app.plan import TrainingPlan, lr_factor, steps_per_epoch
 from raytrain_app.protocol import ModelSpec
@@ -118,6 +118,7 @@ class WorkerLoop:
 
     def run(self) -> dict[str, Any]:
         setup_logging()
+        quiet_ray_train_worker_logs()
         set_rank(self.rank)
         self.setup()
         self.resume()

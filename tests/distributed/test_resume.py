@@ -21,7 +21,7 @@ from raytrain_app.metrics_log import read_metrics
 
 pytestmark = pytest.mark.distributed
 
-EPOCHS = 4
+EPOCHS = 5
 STOP_AFTER = 2
 
 
@@ -31,13 +31,13 @@ def _overrides(output_dir: Path, name: str) -> list[str]:
         f"experiment.name={name}",
         f"train.epochs={EPOCHS}",
         "data.params.num_turbines=4",
-        "data.params.num_hours=600",
+        "data.params.num_hours=2400",
         "scaling.num_workers=2",
         "fault_tolerance.max_failures=0",
     ]
 
 
-def _cli(overrides: list[str], ray_tmp: str) -> list[str]:
+def _cli(overrides: list[str]) -> list[str]:
     args = [sys.executable, "-m", "raytrain_app.cli", "train", "--no-progress"]
     for item in overrides:
         args += ["--set", item]
@@ -59,15 +59,16 @@ def _wait_for_checkpointed_epoch(run_dir: Path, epoch: int, proc: subprocess.Pop
         rows = read_metrics(run_dir)
         if rows and rows[-1]["epoch"] >= epoch and len(checkpoints) >= epoch:
             return
-        time.sleep(0.2)
+        time.sleep(0.1)
     raise AssertionError(f"epoch {epoch} was never checkpointed")
 
 
 def test_interrupted_run_resumes_and_ends_like_an_uninterrupted_one(ray_cluster, tmp_path):
-    reference = rt.train(rt.config_from_dict({}, _overrides(tmp_path, "straight")), progress=False)
+    # The same config the CLI builds: the built-in quickstart plus the overrides.
+    reference = rt.train(rt.load_config(None, _overrides(tmp_path, "straight")), progress=False)
 
     ray_tmp = tempfile.mkdtemp(prefix="rt-cli-", dir="/tmp")
-    command = _cli(_overrides(tmp_path, "interrupted"), ray_tmp)
+    command = _cli(_overrides(tmp_path, "interrupted"))
     run_dir = tmp_path / "interrupted"
     with subprocess.Popen(
         command, env=_cli_env(ray_tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

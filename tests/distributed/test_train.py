@@ -25,7 +25,10 @@ def small_config(output_dir: Path, name: str, workers: int, **train) -> dict:
     """A run that keeps the quickstart's shape but finishes in seconds."""
     return {
         "experiment": {"name": name, "output_dir": str(output_dir), "seed": 0},
-        "data": {"params": {"num_turbines": 4, "num_hours": 720}},
+        "data": {"params": {"num_turbines": 4, "num_hours": 2400, "stride": 2}},
+        # Dropout masks are drawn per rank by design, so they differ between 1 and 2 workers;
+        # without dropout the two runs differ only in floating-point reduction order.
+        "model": {"params": {"dropout": 0.0}},
         "train": {"epochs": EPOCHS, "global_batch_size": 64, **train},
         "scaling": {"num_workers": workers},
         "fault_tolerance": {"max_failures": 0},
@@ -97,6 +100,8 @@ def test_one_and_two_workers_train_the_same_optimisation(runs):
     one, two = runs[1].metrics[-1], runs[2].metrics[-1]
     assert two["step"] == one["step"]  # same optimizer steps: the global batch is the user's
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=0.02)
+    # Same samples in every global step, same initial weights: in practice far closer.
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-3)
 
 
 def test_only_rank_zero_wrote_files(runs):
