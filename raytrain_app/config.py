@@ -231,7 +231,8 @@ class ScalingConfig(_Section):
 
     num_workers: Literal["auto"] | PositiveInt = Field(
         "auto",
-        description="Number of training workers; auto uses every GPU, or 2 workers on CPU.",
+        description="Number of training workers; auto uses as many GPUs (or CPUs / "
+        "cpus_per_worker) as split global_batch_size evenly.",
     )
     use_gpu: Literal["auto"] | bool = Field(
         "auto", description="Train on GPUs; auto uses them when the cluster has any."
@@ -247,7 +248,8 @@ class DistributedConfig(_Section):
 
     strategy: Literal["auto", "ddp", "single", "fsdp", "dp"] = Field(
         "auto",
-        description="Parallel strategy; auto picks DDP for several workers and single for one.",
+        description="Parallel strategy: ddp (auto), single (one unwrapped worker), fsdp (GPUs "
+        "only); dp is refused because DDP replaces it.",
     )
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto",
@@ -267,8 +269,8 @@ class DataloaderConfig(_Section):
 
     num_workers: Literal["auto"] | NonNegativeInt = Field(
         "auto",
-        description="Loader processes per training worker; auto derives it from the CPUs "
-        "each worker has.",
+        description="Loader processes per training worker; auto is cpus_per_worker - 1, since "
+        "the training process needs one CPU itself.",
     )
     pin_memory: Literal["auto"] | bool = Field(
         "auto", description="Pin host memory for faster copies; auto pins when training on GPUs."
@@ -345,7 +347,8 @@ class RaytrainConfig(_Section):
     )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto",
-        description="Numeric precision; auto picks bf16 on GPUs that support it, else fp32.",
+        description="Numeric precision; auto picks bf16 on compute capability >= 8.0, fp16 with a "
+        "GradScaler on 7.x, fp32 on CPU.",
     )
     dataloader: DataloaderConfig = Field(
         default_factory=DataloaderConfig, description="Per-worker DataLoader settings."

@@ -23,7 +23,13 @@ def setup_logging(level: int = logging.INFO) -> None:
 def quiet_ray_train_worker_logs() -> None:
     """Drop Ray Train's per-report INFO lines in a worker; warnings and errors still show.
 
-    ``RunConfig.logging_config`` filters Ray Train's own handler, but in workers the same
-    records also propagate to Ray's ``ray`` logger, which prints them at INFO.
+    Ray 2.60's worker context logs "Reporting training result ..." at INFO on every report
+    through a logger named after its file path (``getLogger(__file__)``), which escapes
+    ``RunConfig.logging_config`` and reaches the root logger's console handler.
     """
     logging.getLogger("ray.train").setLevel(logging.WARNING)
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # a Ray without that module has no such logger either
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)

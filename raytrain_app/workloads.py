@@ -92,7 +92,9 @@ def prepare_data(data: DataConfig, data_dir: Path, seed: int) -> FactoryRef:
         return FactoryRef(data.target, dict(data.params), "data.target")
     if data.path:
         _check_params(data.params, parquet_windows.WINDOW_PARAMS, "data")
-        return FactoryRef(_PARQUET_FACTORY, {"path": data.path, **data.params}, "data.path")
+        # Workers may run in another directory: hand them the driver's absolute path.
+        path = str(Path(data.path).expanduser().absolute())
+        return FactoryRef(_PARQUET_FACTORY, {"path": path, **data.params}, "data.path")
     _builtin(data.name, BUILTIN_DATA, "data.name")
     allowed = synthetic_wind.GENERATOR_PARAMS + _SYNTHETIC_WINDOW_PARAMS
     _check_params(data.params, allowed, "data")

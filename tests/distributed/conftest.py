@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import ray
 
 from raytrain_app.environment import apply_ray_train_defaults
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _free_port() -> int:
@@ -23,9 +29,19 @@ def ray_cluster():
     # A short path: Ray's Unix sockets live under the temp dir and must stay < 108 bytes.
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
     apply_ray_train_defaults()
+    # Workers inherit the environment of the process that starts Ray: this is how the
+    # examples/ user package becomes importable in them, as PYTHONPATH=examples does for users.
+    saved_pythonpath = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES), saved_pythonpath]))
+    sys.path.insert(0, str(EXAMPLES))
     # Ray's own ports are 0 (the OS picks free ones); the dashboard, which Ray Train's
     # placement-group cleanup needs, gets a free port too, so parallel sessions never collide.
     ray.init(num_cpus=2, dashboard_port=_free_port(), _temp_dir=temp_dir, logging_level="WARNING")
     yield ray.cluster_resources()
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
+    sys.path.remove(str(EXAMPLES))
+    if saved_pythonpath is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = saved_pythonpath
