@@ -100,10 +100,12 @@ def find_checkpoint(path: str | Path) -> Path:
     if (path / MODEL_FILE).is_file():
         return path
     summary = path / "summary.json"
-    if summary.is_file():
-        newest = json.loads(summary.read_text()).get("checkpoint")
-        if newest and (Path(newest) / MODEL_FILE).is_file():
-            return Path(newest)
+    try:
+        newest = json.loads(summary.read_text()).get("checkpoint") if summary.is_file() else None
+    except json.JSONDecodeError:
+        newest = None  # a damaged summary: fall back to the newest checkpoint on disk
+    if newest and (Path(newest) / MODEL_FILE).is_file():
+        return Path(newest)
     candidates = sorted(
         (p.parent for p in path.glob("checkpoints/**/" + MODEL_FILE)),
         key=lambda p: p.stat().st_mtime,

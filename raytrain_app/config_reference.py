@@ -29,8 +29,9 @@ def _rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]
 def config_reference_markdown() -> str:
     """Every config key with its default and meaning, as a Markdown table."""
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
-    lines += [f"| `{key}` | `{default}` | {meaning} |" for key, default, meaning in _rows(
-        RaytrainConfig)]
+    lines += [
+        f"| `{key}` | `{default}` | {meaning} |" for key, default, meaning in _rows(RaytrainConfig)
+    ]
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
 
     Yields the environment with the cluster's resources; shuts down only a Ray it started.
     """
-    started = False
+    started = embedded = False
     if not ray.is_initialized():
         target = address or env.ray_address
         if target:
@@ -64,9 +64,14 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
             # An embedded single-machine cluster sized like the plan assumed. It keeps the
             # dashboard: Ray Train's placement-group cleanup needs its State API.
             ray.init(num_cpus=int(env.resources.cpus), logging_level=logging.WARNING)
+            embedded = True
         started = True
     try:
         resources, gpu = ray_cluster_resources()
+        if embedded:
+            # Nothing can join an embedded Ray: plan against this machine, so asking for
+            # more workers than it has fails now instead of waiting forever.
+            resources = replace(resources, source="this machine")
         yield env.with_resources(resources, gpu)
     finally:
         if started:
@@ -190,6 +195,11 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
     """
     start = time.perf_counter()
     env = detect_environment()
+    if not (address or env.ray_address or ray.is_initialized()):
+        # Ray will run on this machine: plan against it first, so bad input fails in a
+        # second instead of after Ray's start-up.
+        local_plan = make_plan(cfg, env)
+        RunDirectory.for_config(cfg).check_resumable(resolve_config(cfg, local_plan))
     apply_ray_train_defaults()
     with ray_session(address, env) as cluster_env:
         plan = make_plan(cfg, cluster_env)

@@ -30,7 +30,7 @@ class MetricsLog:
     def __init__(self, run_dir: Path, resumed_epoch: int) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         kept = [row for row in read_metrics(run_dir) if row["epoch"] <= resumed_epoch]
-        self._columns: list[str] | None = list(kept[0]) if kept else None
+        self._columns: list[str] | None = self._header() if kept else None
         # Rewrite atomically so a crash here never leaves a half-written history.
         tmp = self.path.with_name(METRICS_FILE + ".tmp")
         with tmp.open("w", newline="") as handle:
@@ -39,6 +39,10 @@ class MetricsLog:
                 writer.writeheader()
                 writer.writerows(kept)
         os.replace(tmp, self.path)
+
+    def _header(self) -> list[str]:
+        with self.path.open(newline="") as handle:
+            return list(csv.DictReader(handle).fieldnames or [])
 
     def append(self, row: Mapping[str, float]) -> None:
         """Add one epoch's row; the first row fixes the columns."""

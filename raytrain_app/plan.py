@@ -120,12 +120,21 @@ def choose_world_size(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> i
             )
         return 1
     if requested != "auto":
-        if requested > devices and env.resources.source == "this machine":
+        if requested > devices:
             unit = "GPUs" if use_gpu else f"CPUs at {cfg.scaling.cpus_per_worker:g} per worker"
-            raise PlanError(
-                f"scaling.num_workers={requested} needs more than the {devices} workers this "
-                f"machine can host ({unit}); lower scaling.num_workers or pass --address of a "
-                f"larger Ray cluster"
+            if env.resources.source == "this machine":
+                raise PlanError(
+                    f"scaling.num_workers={requested} needs more than the {devices} workers "
+                    f"this machine can host ({unit}); lower scaling.num_workers or pass "
+                    f"--address of a larger Ray cluster"
+                )
+            # A cluster with an autoscaler may still grow; without one, Ray waits for it.
+            logger.warning(
+                "scaling.num_workers=%d is more than the %d workers the cluster can host now "
+                "(%s); training starts once the cluster has grown",
+                requested,
+                devices,
+                unit,
             )
         return requested
     global_batch = cfg.train.global_batch_size
@@ -230,6 +239,21 @@ def steps_per_epoch(num_samples: int, global_batch: int) -> int:
     return num_samples // global_batch
 
 
+def loader_workers(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> int:
+    """DataLoader processes per training worker: its CPUs minus the one that trains.
+
+    On SLURM GPU jobs a worker's share is the task's CPUs over the node's GPUs (one worker
+    per GPU), which is usually more than the ``cpus_per_worker`` Ray reserves.
+    """
+    if cfg.dataloader.num_workers != "auto":
+        return cfg.dataloader.num_workers
+    cpus = cfg.scaling.cpus_per_worker
+    slurm = env.slurm
+    if use_gpu and slurm and slurm.cpus_per_task and slurm.gpus_per_node:
+        cpus = slurm.cpus_per_task // slurm.gpus_per_node
+    return max(int(cpus) - 1, 0)
+
+
 def make_plan(cfg: RaytrainConfig, env: Environment) -> TrainingPlan:
     """Resolve every ``auto`` of ``cfg`` against ``env``."""
     use_gpu = choose_use_gpu(cfg, env)
@@ -238,9 +262,6 @@ def make_plan(cfg: RaytrainConfig, env: Environment) -> TrainingPlan:
     batch = plan_batch(cfg.train.global_batch_size, world_size, cfg.train.max_batch_per_worker)
     precision, grad_scaler = choose_precision(cfg.precision, use_gpu, env.gpu)
     loader = cfg.dataloader
-    cpus = cfg.scaling.cpus_per_worker
-    # The training process itself needs one CPU; loader processes only pay off beyond it.
-    auto_loader_workers = max(int(cpus) - 1, 0)
     return TrainingPlan(
         world_size=world_size,
         per_worker_batch_size=batch.micro_batch,
@@ -261,11 +282,9 @@ def make_plan(cfg: RaytrainConfig, env: Environment) -> TrainingPlan:
         lr_scaling=cfg.train.lr_scaling,
         warmup_steps=cfg.train.warmup_steps,
         min_lr_ratio=cfg.train.min_lr_ratio,
-        cpus_per_worker=cpus,
+        cpus_per_worker=cfg.scaling.cpus_per_worker,
         gpus_per_worker=cfg.scaling.gpus_per_worker if use_gpu else 0.0,
-        dataloader_workers=(
-            auto_loader_workers if loader.num_workers == "auto" else loader.num_workers
-        ),
+        dataloader_workers=loader_workers(cfg, env, use_gpu),
         pin_memory=use_gpu if loader.pin_memory == "auto" else loader.pin_memory,
     )
 

@@ -14,8 +14,8 @@ import ray
 
 from raytrain_app.environment import apply_ray_train_defaults
 
-
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+TEST_WORKLOADS = Path(__file__).resolve().parent / "workloads"
 
 
 def _free_port() -> int:
@@ -32,15 +32,17 @@ def ray_cluster():
     # Workers inherit the environment of the process that starts Ray: this is how the
     # examples/ user package becomes importable in them, as PYTHONPATH=examples does for users.
     saved_pythonpath = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXAMPLES), saved_pythonpath]))
-    sys.path.insert(0, str(EXAMPLES))
+    paths = [str(EXAMPLES), str(TEST_WORKLOADS)]
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, saved_pythonpath]))
+    sys.path[:0] = paths
     # Ray's own ports are 0 (the OS picks free ones); the dashboard, which Ray Train's
     # placement-group cleanup needs, gets a free port too, so parallel sessions never collide.
     ray.init(num_cpus=2, dashboard_port=_free_port(), _temp_dir=temp_dir, logging_level="WARNING")
     yield ray.cluster_resources()
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
-    sys.path.remove(str(EXAMPLES))
+    for path in paths:
+        sys.path.remove(path)
     if saved_pythonpath is None:
         os.environ.pop("PYTHONPATH", None)
     else:

@@ -160,3 +160,24 @@ def test_a_different_config_under_an_existing_name_is_refused(runs):
         rt.train(cfg, progress=False)
     after = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_predict_writes_parquet_from_a_run_directory(runs, tmp_path):
+    import pyarrow.parquet as pq
+
+    from raytrain_app.cli import main
+
+    output = tmp_path / "predictions.parquet"
+    assert main(["predict", "--checkpoint", str(runs[2].run_dir), "--output", str(output)]) == 0
+    table = pq.read_table(output)
+    meta = read_meta(runs[2].checkpoint)
+    horizon = meta["data_info"]["horizon"]
+    splits = build_data(FactoryRef(**meta["data_factory"]), 0)
+    assert table.num_rows == len(splits.val)
+    assert table.column_names == [f"pred_{k}" for k in range(horizon)] + [
+        f"true_{k}" for k in range(horizon)
+    ]
+    pred, true = table.column("pred_0").to_numpy(), table.column("true_0").to_numpy()
+    # Predictions are in the data's units (fraction of rated power) and track the truth.
+    assert true.min() >= 0 and true.max() <= 1
+    assert abs(pred - true).mean() < 0.25

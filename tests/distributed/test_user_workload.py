@@ -28,3 +28,19 @@ def test_example_user_package_trains_and_loads(ray_cluster, tmp_path):
     x = torch.linspace(-3, 3, 50).unsqueeze(1)
     error = (model(x) - torch.sin(x)).abs().mean().item()
     assert error < 0.15  # it learned the sine, not just the mean
+
+
+def test_a_step_that_raises_fails_the_run_with_one_line(ray_cluster, tmp_path):
+    cfg = rt.load_config(
+        EXAMPLE_CONFIG,
+        [
+            f"experiment.output_dir={tmp_path}",
+            "model.target=failing_workload:build_model_that_fails",
+            "fault_tolerance.max_failures=0",
+        ],
+    )
+    with pytest.raises(rt.RunFailedError) as info:
+        rt.train(cfg, progress=False)
+    message = str(info.value)
+    assert "the user's step exploded" in message and "\n" not in message
+    assert not (tmp_path / "sine" / "summary.json").exists()

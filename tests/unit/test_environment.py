@@ -69,3 +69,11 @@ def test_ray_train_defaults_respect_the_user(monkeypatch):
     apply_ray_train_defaults()
     assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "1.5"
     assert os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
+
+
+def test_reads_the_real_process_environment(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "99")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    env = detect_environment()
+    assert env.launcher == "slurm" and env.resources.cpus == 3 and env.ray_address == "auto"

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 
 from raytrain_app.config import config_from_dict
-from raytrain_app.environment import Environment, GpuInfo, Resources
+from raytrain_app.environment import Environment, GpuInfo, Resources, SlurmInfo
 from raytrain_app.plan import (
     PlanError,
     choose_backend,
@@ -199,6 +200,22 @@ def test_use_gpu_without_gpus_is_an_error():
     cfg = config_from_dict({"scaling": {"use_gpu": True}})
     with pytest.raises(PlanError, match="scaling.use_gpu=true"):
         make_plan(cfg, make_env())
+
+
+def test_loader_processes_follow_the_cpus_each_worker_has():
+    cfg = config_from_dict({"scaling": {"cpus_per_worker": 4}})
+    assert make_plan(cfg, make_env(cpus=8)).dataloader_workers == 3
+    cfg = config_from_dict({"dataloader": {"num_workers": 5}})
+    assert make_plan(cfg, make_env(cpus=8)).dataloader_workers == 5
+
+
+def test_loader_processes_on_a_slurm_gpu_node_use_the_task_cpus_per_gpu():
+    env = replace(
+        make_env(cpus=32, gpus=4, gpu=A100),
+        slurm=SlurmInfo(job_id="7", num_nodes=1, ntasks=1, cpus_per_task=32, gpus_per_node=4),
+    )
+    plan = make_plan(config_from_dict({}), env)
+    assert (plan.world_size, plan.dataloader_workers) == (4, 7)
 
 
 def test_resolved_config_has_no_auto_left():

@@ -1,0 +1,287 @@
+"""Checkpoints: unwrapping, the on-disk layout, RNG round trips, resolving paths, load_model."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raytrain_app.checkpoint import (
+    META_FILE,
+    MODEL_FILE,
+    TRAIN_STATE_FILE,
+    find_checkpoint,
+    load_model,
+    load_train_state,
+    read_meta,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    unwrap_model,
+)
+from raytrain_app.config import RaytrainConfig, config_to_dict
+from raytrain_app.data import parquet_windows, synthetic_wind
+from raytrain_app.errors import BadInputError
+from raytrain_app.workloads import BUILTIN_MODELS, FactoryRef, build_model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def gloo_group():
+    """A 1-process gloo group on CPU, so DDP can wrap a model; destroyed afterwards."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """``torch.compile`` of a small model; compiling is lazy, so nothing is traced here."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    with warnings.catch_warnings():  # torch's own deprecations, raised while importing dynamo
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return model, torch.compile(model)
+
+
+# --------------------------------------------------------------------------- unwrap_model
+
+
+def test_unwrap_plain_model_is_identity():
+    model = nn.Linear(2, 2)
+    assert unwrap_model(model) is model
+
+
+def test_unwrap_strips_ddp(gloo_group):
+    model = nn.Linear(3, 2)
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    assert all(k.startswith("module.") for k in wrapped.state_dict())
+    assert unwrap_model(wrapped) is model
+
+
+def test_unwrap_strips_torch_compile(compiled):
+    model, wrapped = compiled
+    assert wrapped is not model
+    assert unwrap_model(wrapped) is model
+
+
+def test_unwrap_strips_ddp_around_compile(gloo_group, compiled):
+    model, wrapped = compiled
+    assert unwrap_model(nn.parallel.DistributedDataParallel(wrapped)) is model
+
+
+# --------------------------------------------------------------------------- save_checkpoint
+
+
+def test_save_checkpoint_writes_the_three_files(tmp_path):
+    model = nn.Linear(3, 2)
+    train_state = {"epoch": 2, "step": 10, "optimizer": {"lr": 0.1}}
+    meta = {"model_factory": {"target": "x:y"}, "data_info": {}, "config": {}}
+    directory = save_checkpoint(
+        tmp_path / "a" / "ckpt", model=model, train_state=train_state, meta=meta
+    )
+    assert directory == tmp_path / "a" / "ckpt"
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [MODEL_FILE, TRAIN_STATE_FILE, META_FILE]
+    )  # no temporary files left behind
+    assert load_train_state(directory) == train_state
+    assert read_meta(directory) == meta
+
+
+def test_saved_weights_have_no_wrapper_prefixes(tmp_path, gloo_group, compiled):
+    model, wrapped = compiled
+    ddp = nn.parallel.DistributedDataParallel(wrapped)
+    assert all(k.startswith("module._orig_mod.") for k in ddp.state_dict())
+    save_checkpoint(tmp_path, model=ddp, train_state={}, meta={})
+    state = torch.load(tmp_path / MODEL_FILE, weights_only=True)
+    assert set(state) == set(model.state_dict())
+    fresh = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    fresh.load_state_dict(state)  # strict: loads into the bare module as is
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value)
+
+
+def test_save_checkpoint_overwrites_an_earlier_save(tmp_path):
+    save_checkpoint(tmp_path, model=nn.Linear(1, 1), train_state={"epoch": 1}, meta={"epoch": 1})
+    save_checkpoint(tmp_path, model=nn.Linear(1, 1), train_state={"epoch": 2}, meta={"epoch": 2})
+    assert load_train_state(tmp_path)["epoch"] == 2
+    assert read_meta(tmp_path)["epoch"] == 2
+
+
+# --------------------------------------------------------------------------- RNG state
+
+
+def _draw() -> tuple[list[float], list[float], list[float]]:
+    return (
+        torch.rand(5).tolist(),
+        np.random.rand(5).tolist(),
+        [random.random() for _ in range(5)],
+    )
+
+
+def test_rng_state_round_trip_reproduces_the_same_numbers():
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+    state = rng_state()
+    first = _draw()
+    assert _draw() != first  # the generators moved on
+    set_rng_state(state)
+    assert _draw() == first
+
+
+def test_rng_state_survives_a_checkpoint(tmp_path):
+    torch.manual_seed(7)
+    np.random.seed(7)
+    random.seed(7)
+    save_checkpoint(tmp_path, model=nn.Linear(1, 1), train_state={"rng": [rng_state()]}, meta={})
+    expected = _draw()
+    _draw()
+    set_rng_state(load_train_state(tmp_path)["rng"][0])
+    assert _draw() == expected
+
+
+# --------------------------------------------------------------------------- find_checkpoint
+
+
+def _fake_checkpoint(directory: Path, mtime: float | None = None) -> Path:
+    directory.mkdir(parents=True)
+    (directory / MODEL_FILE).write_bytes(b"")
+    if mtime is not None:
+        os.utime(directory, (mtime, mtime))
+    return directory
+
+
+def test_find_checkpoint_accepts_a_checkpoint_directory(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "ckpt")
+    assert find_checkpoint(ckpt) == ckpt
+    assert find_checkpoint(str(ckpt)) == ckpt
+
+
+def test_find_checkpoint_follows_summary_json(tmp_path):
+    run = tmp_path / "run"
+    newer = _fake_checkpoint(run / "checkpoints" / "exp" / "checkpoint_1", mtime=2000)
+    summarised = _fake_checkpoint(run / "checkpoints" / "exp" / "checkpoint_0", mtime=1000)
+    (run / "summary.json").write_text(json.dumps({"checkpoint": str(summarised)}))
+    assert find_checkpoint(run) == summarised  # summary wins over modification times
+    assert newer != summarised
+
+
+def test_find_checkpoint_falls_back_to_the_newest_under_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    _fake_checkpoint(run / "checkpoints" / "exp" / "checkpoint_0", mtime=1000)
+    newest = _fake_checkpoint(run / "checkpoints" / "exp" / "checkpoint_2", mtime=3000)
+    _fake_checkpoint(run / "checkpoints" / "exp" / "checkpoint_1", mtime=2000)
+    assert find_checkpoint(run) == newest
+    # a summary naming a checkpoint that no longer exists is not trusted
+    (run / "summary.json").write_text(json.dumps({"checkpoint": str(tmp_path / "gone")}))
+    assert find_checkpoint(run) == newest
+    (run / "summary.json").write_text(json.dumps({"checkpoint": None}))
+    assert find_checkpoint(run) == newest
+    (run / "summary.json").write_text('{"checkpoint": "trunc')  # a torn summary.json
+    assert find_checkpoint(run) == newest
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty_dir", "run_without_checkpoints", "file"])
+def test_find_checkpoint_rejects_other_paths_with_one_line(tmp_path, kind):
+    path = tmp_path / "target"
+    if kind == "empty_dir":
+        path.mkdir()
+    elif kind == "run_without_checkpoints":
+        (path / "checkpoints").mkdir(parents=True)
+        (path / "config.yaml").write_text("{}")
+    elif kind == "file":
+        path.write_text("not a checkpoint")
+    with pytest.raises(BadInputError) as info:
+        find_checkpoint(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert str(path) in message and "--checkpoint" in message
+
+
+# --------------------------------------------------------------------------- load_model
+
+
+@pytest.fixture(scope="module")
+def wind_checkpoint(tmp_path_factory):
+    """A checkpoint of the built-in wind model, saved as the training loop saves it."""
+    root = tmp_path_factory.mktemp("wind")
+    data_path = synthetic_wind.materialize(root / "data", num_turbines=2, num_hours=300, seed=0)
+    splits = parquet_windows.build_windows(
+        data_path,
+        feature_columns=synthetic_wind.FEATURE_COLUMNS,
+        target_column=synthetic_wind.TARGET_COLUMN,
+        group_column=synthetic_wind.GROUP_COLUMN,
+        time_column=synthetic_wind.TIME_COLUMN,
+    )
+    ref = FactoryRef(BUILTIN_MODELS["wind_transformer"], {})
+    torch.manual_seed(0)
+    spec = build_model(ref, dict(splits.info))
+    with torch.no_grad():  # weights unlike any fresh initialisation
+        for p in spec.module.parameters():
+            p.add_(0.01)
+    meta = {
+        "model_factory": asdict(ref),
+        "data_info": dict(splits.info),
+        "config": config_to_dict(RaytrainConfig()),
+    }
+    ckpt = save_checkpoint(
+        root / "run" / "checkpoints" / "quickstart" / "checkpoint_0",
+        model=spec.module,
+        train_state={"epoch": 1},
+        meta=meta,
+    )
+    x = torch.stack([splits.val[i][0] for i in range(len(splits.val))])
+    return spec.module, ckpt, x
+
+
+def test_checkpoint_is_self_contained(wind_checkpoint, tmp_path):
+    """load_model needs only the directory: meta carries factory, data info and config."""
+    original, ckpt, x = wind_checkpoint
+    meta = read_meta(ckpt)
+    assert {"model_factory", "data_info", "config"} <= meta.keys()
+    moved = tmp_path / "copied"
+    moved.mkdir()
+    for name in (MODEL_FILE, META_FILE):  # no data, no train state, elsewhere on disk
+        (moved / name).write_bytes((ckpt / name).read_bytes())
+    original.eval()
+    with torch.no_grad():
+        assert torch.equal(load_model(moved)(x), original(x))
+
+
+@pytest.mark.parametrize("via", ["checkpoint", "run_dir"])
+def test_load_model_rebuilds_identical_model_on_cpu_in_eval_mode(wind_checkpoint, via):
+    original, ckpt, x = wind_checkpoint
+    loaded = load_model(ckpt if via == "checkpoint" else ckpt.parents[2])
+    assert type(loaded) is type(original)
+    assert loaded is not original
+    assert not loaded.training
+    assert all(p.device.type == "cpu" for p in loaded.parameters())
+    assert loaded.state_dict().keys() == original.state_dict().keys()
+    for key, value in original.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    original.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), original(x))
+
+
+def test_load_model_of_a_missing_path_is_bad_input(tmp_path):
+    with pytest.raises(BadInputError, match="--checkpoint"):
+        load_model(tmp_path / "nothing")
