@@ -87,6 +87,7 @@ def no_ray(monkeypatch, tmp_path):
         raise AssertionError("the CLI started Ray for input it should reject first")
 
     monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # even if a test Ray is up
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.chdir(tmp_path)
     return calls
@@ -100,6 +101,8 @@ def embedded_ray(monkeypatch, tmp_path):
     with ``source="ray cluster"``; the trainer itself must never be reached here.
     """
     started = []
+    # The distributed tests' session-wide Ray may be up; train() must see none here.
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(started))
     monkeypatch.setattr(ray, "init", lambda *a, **k: started.append(k))
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(
