@@ -26,6 +26,7 @@ __all__ = [
     "load_model",
     "plan",
     "train",
+    "tune",
 ]
 
 
@@ -34,6 +35,16 @@ def train(config=None, *, overrides=(), address=None, progress=True):
     from raytrain_app.driver import train as _train
 
     return _train(_as_config(config, overrides), address=address, progress=progress)
+
+
+def tune(config=None, *, overrides=(), address=None):
+    """Run the sweep of ``config.tune`` (default: the built-in wind sweep); a TuneResult."""
+    from raytrain_app.config import BUILTIN_SWEEP
+    from raytrain_app.tuning import tune_sweep
+
+    if config is None:
+        return tune_sweep(load_config(None, overrides, builtin=BUILTIN_SWEEP), address=address)
+    return tune_sweep(_as_config(config, overrides), address=address)
 
 
 def plan(config=None, *, overrides=(), address=None):

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object")
 
+    tune = commands.add_parser("tune", help="hyperparameter sweep of single-worker trials")
+    _add_config_flags(tune)
+
     predict = commands.add_parser("predict", help="single-device inference from a checkpoint")
     predict.add_argument(
         "--checkpoint", required=True, metavar="PATH", help="checkpoint directory or run directory"
@@ -134,6 +137,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from raytrain_app.config import BUILTIN_SWEEP
+    from raytrain_app.tuning import tune_sweep
+
+    cfg = load_config(args.config, args.overrides, builtin=BUILTIN_SWEEP)
+    result = tune_sweep(cfg, address=args.address)
+    metric = cfg.tune.metric
+    print(result.trials.drop(columns=["error"]).to_string(index=False, float_format="%.4g"))
+    failed = result.trials[result.trials["status"] == "error"]
+    for _, row in failed.iterrows():
+        print(f"trial {row['trial_id']} failed: {row['error']}")
+    print(f"best {metric}  : {result.best_metrics.get(metric):.4g}")
+    print(f"best config : {result.best_config_path}")
+    print(
+        f"train it    : raytrain train --config {result.best_config_path} "
+        f"--set scaling.num_workers=N"
+    )
+    return 0
+
+
 def _cmd_predict(args: argparse.Namespace) -> int:
     from raytrain_app.predict import predict
 
@@ -142,7 +165,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"train": _cmd_train, "plan": _cmd_plan, "predict": _cmd_predict}
+_COMMANDS = {"train": _cmd_train, "plan": _cmd_plan, "tune": _cmd_tune, "predict": _cmd_predict}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

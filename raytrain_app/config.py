@@ -38,6 +38,7 @@ __all__ = [
     "TuneConfig",
     "config_from_dict",
     "config_to_dict",
+    "config_with_values",
     "diff_configs",
     "dump_config_yaml",
     "flatten",
@@ -48,6 +49,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BUILTIN_CONFIG = "quickstart.yaml"
+BUILTIN_SWEEP = "wind_sweep.yaml"
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -425,11 +427,11 @@ def _parse_yaml(text: str, label: str) -> dict[str, Any]:
     return data
 
 
-def _read_config_text(path: str | Path | None) -> tuple[str, str]:
-    """Return the YAML text of ``path`` (or the built-in quickstart) and a label for errors."""
+def _read_config_text(path: str | Path | None, builtin: str) -> tuple[str, str]:
+    """Return the YAML text of ``path`` (or the built-in config) and a label for errors."""
     if path is None:
-        builtin = resources.files("raytrain_app") / "configs" / BUILTIN_CONFIG
-        return builtin.read_text(encoding="utf-8"), f"built-in config '{BUILTIN_CONFIG}'"
+        text = (resources.files("raytrain_app") / "configs" / builtin).read_text(encoding="utf-8")
+        return text, f"built-in config '{builtin}'"
     label = f"config file '{path}'"
     file = Path(path).expanduser()
     if not file.exists():
@@ -571,8 +573,13 @@ def _set_path(data: dict[str, Any], parts: list[str], value: Any, flag: str) -> 
 def _apply_override(data: dict[str, Any], item: str) -> list[str]:
     """Apply one ``a.b.c=value`` override to ``data`` in place; return the key's parts."""
     flag, parts, raw = _split_override(item)
+    _apply_value(data, parts, _parse_value(raw), flag)
+    return parts
+
+
+def _apply_value(data: dict[str, Any], parts: list[str], value: Any, flag: str) -> None:
+    """Set the typed ``value`` at the dotted key ``parts``, checked against the schema."""
     owner = _override_owner(parts, flag)
-    value = _parse_value(raw)
     if isinstance(value, Mapping):
         # a mapping given on the command line gets the same unknown-key check as a file
         nested: Any = value
@@ -586,7 +593,6 @@ def _apply_override(data: dict[str, Any], item: str) -> list[str]:
         for other in owner.SOURCE_KEYS:
             if other != parts[-1]:
                 parent.pop(other, None)
-    return parts
 
 
 # --------------------------------------------------------------------------- validation errors
@@ -750,9 +756,30 @@ def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = ()) -> 
     return _build(data, overrides, "")
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RaytrainConfig:
-    """Load a YAML config (the built-in quickstart when ``path`` is None) and apply overrides."""
-    text, label = _read_config_text(path)
+def config_with_values(
+    cfg: RaytrainConfig, values: Mapping[str, Any], label: str = "--set"
+) -> RaytrainConfig:
+    """``cfg`` with typed values at dotted keys (``{"train.lr": 3e-4}``), validated.
+
+    Errors name the key and ``label`` (e.g. ``tune.param_space``) as their source.
+    """
+    merged = config_to_dict(cfg)
+    sources = []
+    for key, value in values.items():
+        flag = f"{label} {key}={_show(value)}"
+        parts = key.split(".")
+        if not all(parts):
+            raise ConfigError(f"invalid key '{key}' in {label}: use a dotted key like train.lr")
+        _apply_value(merged, parts, value, flag)
+        sources.append((parts, flag))
+    return _validate(merged, sources, f", from {label}")
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), builtin: str = BUILTIN_CONFIG
+) -> RaytrainConfig:
+    """Load a YAML config (the built-in ``builtin`` when ``path`` is None), apply overrides."""
+    text, label = _read_config_text(path, builtin)
     config = _build(_parse_yaml(text, label), overrides, f", in {label}")
     logger.debug("loaded %s with %d override(s)", label, len(overrides))
     return config

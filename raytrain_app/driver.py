@@ -28,6 +28,7 @@ from raytrain_app.environment import (
 )
 from raytrain_app.errors import BadInputError, RunFailedError
 from raytrain_app.loop import WorkerTask, train_worker
+from raytrain_app.metrics_log import read_metrics
 from raytrain_app.plan import TrainingPlan, make_plan, resolve_config, steps_per_epoch
 from raytrain_app.progress import DriverProgress
 from raytrain_app.run_directory import RunDirectory
@@ -127,6 +128,14 @@ def _root_cause(exc: BaseException) -> BaseException:
     return seen
 
 
+def user_facing_error(exc: BaseException) -> Exception:
+    """One-line error for a failure raised inside Ray workers, keeping our own error kinds."""
+    cause = _root_cause(exc)
+    if isinstance(cause, BadInputError | RunFailedError):
+        return cause
+    return RunFailedError(f"training failed: {type(cause).__name__}: {cause}".splitlines()[0])
+
+
 def _run_trainer(
     task: WorkerTask, cfg: RaytrainConfig, run_dir: RunDirectory, progress: bool
 ) -> ray.train.Result:
@@ -219,14 +228,7 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
         try:
             result = _run_trainer(task, resolved, run_dir, progress)
         except ray.train.TrainingFailedError as exc:
-            cause = _root_cause(exc)
-            if isinstance(cause, BadInputError):
-                raise BadInputError(str(cause)) from exc
-            raise RunFailedError(
-                f"training failed: {type(cause).__name__}: {cause}".splitlines()[0]
-            ) from exc
+            raise user_facing_error(exc) from exc
     summary = _summary(result, plan, time.perf_counter() - start)
     run_dir.write_summary(summary)
-    from raytrain_app.metrics_log import read_metrics
-
     return TrainResult(run_dir=run_dir.root, summary=summary, metrics=read_metrics(run_dir.root))

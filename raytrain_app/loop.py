@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from raytrain_app import checkpoint as ckpt
 from raytrain_app.config import RaytrainConfig, config_from_dict
+from raytrain_app.errors import RunFailedError
 from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
 from raytrain_app.metrics_log import MetricsLog
 from raytrain_app.plan import TrainingPlan, lr_factor, steps_per_epoch
@@ -37,6 +39,10 @@ logger = logging.getLogger(__name__)
 _PROGRESS_INTERVAL_S = 0.5
 
 
+class NonFiniteLossError(RunFailedError):
+    """The loss became NaN or infinite; the run stops without checkpointing it."""
+
+
 @dataclass
 class WorkerTask:
     """Everything a worker needs, prepared by the driver (picklable)."""
@@ -47,6 +53,7 @@ class WorkerTask:
     model: FactoryRef
     run_dir: str
     progress: Any = None  # a ProgressTracker actor handle, or None
+    log_level: int = logging.INFO
 
 
 @dataclass
@@ -117,7 +124,7 @@ class WorkerLoop:
         self._metric_names: list[str] = []
 
     def run(self) -> dict[str, Any]:
-        setup_logging()
+        setup_logging(self.task.log_level)
         quiet_ray_train_worker_logs()
         set_rank(self.rank)
         self.setup()
@@ -250,6 +257,9 @@ class WorkerLoop:
         self.module.load_state_dict(weights)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # The current plan's lr wins over the saved one: equal on a plain resume, different
+        # when a Tune PBT trial continues a better trial's checkpoint with a mutated lr.
+        self.scheduler.base_lrs = [self.plan.lr] * len(self.scheduler.base_lrs)
         self.scaler.load_state_dict(state["scaler"])
         self.state = LoopState(state["epoch"], state["step"], state["history"])
         rng = state["rng"]
@@ -313,6 +323,13 @@ class WorkerLoop:
                 self._push_progress(epoch, step_in_epoch + 1, out.loss, now - start)
         elapsed = time.perf_counter() - start
         row = {"epoch": epoch + 1, "step": self.state.step, **averages.global_means("train_")}
+        if not math.isfinite(row["train_loss"]):
+            # Every rank sees the same global value, so all stop together, before a
+            # checkpoint of the broken weights is written.
+            raise NonFiniteLossError(
+                f"training loss became {row['train_loss']} in epoch {epoch + 1}; lower "
+                f"train.lr, enable train.grad_clip or check the data for NaNs"
+            )
         row["lr"] = self.scheduler.get_last_lr()[0]
         row["samples_per_s"] = self.steps_per_epoch * self.plan.effective_batch_size / elapsed
         row["epoch_time_s"] = elapsed

@@ -95,3 +95,70 @@ def scratch_dir() -> Iterator[Path]:
     """A temporary directory for a checkpoint before the session persists it."""
     with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as directory:
         yield Path(directory)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple | list):
+        return type(batch)(_to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+class _DeviceLoader:
+    """Iterates a DataLoader with every batch moved to ``device``."""
+
+    def __init__(self, loader: DataLoader, device: torch.device) -> None:
+        self.loader, self.device = loader, device
+
+    def __iter__(self) -> Iterator[Any]:
+        return (_to_device(batch, self.device) for batch in self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+class TuneTrialSession:
+    """A single-worker Ray Tune trial: no process group, no DDP, one device.
+
+    Tune reserves the trial's GPU and sets ``CUDA_VISIBLE_DEVICES``, so it is ``cuda:0``.
+    """
+
+    world_rank = 0
+    world_size = 1
+
+    def __init__(self, use_gpu: bool) -> None:
+        self._device = torch.device("cuda:0" if use_gpu else "cpu")
+
+    def device(self) -> torch.device:
+        return self._device
+
+    def prepare_model(self, module: nn.Module, strategy: str, ddp_kwargs: dict) -> nn.Module:
+        return module.to(self._device)
+
+    def prepare_loader(self, loader: DataLoader) -> Any:
+        return loader if self._device.type == "cpu" else _DeviceLoader(loader, self._device)
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+        from ray import tune
+
+        checkpoint = tune.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        tune.report(metrics, checkpoint=checkpoint)
+
+    @contextlib.contextmanager
+    def restored_checkpoint(self) -> Iterator[Path | None]:
+        from ray import tune
+
+        checkpoint = tune.get_checkpoint()
+        if checkpoint is None:
+            yield None
+            return
+        with checkpoint.as_directory() as directory:
+            yield Path(directory)
+
+    def node_address(self) -> str:
+        import ray.util
+
+        return ray.util.get_node_ip_address()

@@ -1,0 +1,112 @@
+"""`raytrain tune` on a real Ray: single-worker trials, ASHA, failures, best config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import raytrain_app as rt
+from raytrain_app.cli import main
+from raytrain_app.tuning import BEST_CONFIG_FILE, TRIALS_FILE
+
+pytestmark = pytest.mark.distributed
+
+TINY = {
+    "data": {"params": {"num_turbines": 2, "num_hours": 1200, "stride": 4}},
+    "model": {"params": {"d_model": 16, "dim_feedforward": 32}},
+    "train": {"epochs": 3},
+}
+
+
+def sweep(tmp_path, name: str, tune: dict) -> dict:
+    return {**TINY, "experiment": {"name": name, "output_dir": str(tmp_path)}, "tune": tune}
+
+
+@pytest.fixture(scope="module")
+def asha_sweep(ray_cluster, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tune")
+    cfg = sweep(
+        out,
+        "asha",
+        {
+            "num_samples": 2,  # x 2 grid values = 4 trials
+            "max_concurrent_trials": 2,
+            "scheduler": "asha",
+            "grace_period": 1,
+            "reduction_factor": 2,
+            "param_space": {
+                # One lr is clearly worse, so ASHA has a trial to stop early.
+                "train.lr": {"grid": [3.0e-3, 1.0e-6]},
+                "train.global_batch_size": {"choice": [32, 64]},
+                "train.warmup_steps": {"randint": [0, 5]},
+                "train.min_lr_ratio": {"quniform": [0.0, 0.5, 0.1]},
+                "model.params.dropout": {"uniform": [0.0, 0.1]},
+                "train.weight_decay": {"loguniform": [1.0e-4, 1.0e-2]},
+            },
+        },
+    )
+    return rt.tune(cfg)
+
+
+def test_trials_table_has_every_trial_and_its_sampled_values(asha_sweep):
+    trials = asha_sweep.trials
+    assert len(trials) == 4
+    assert sorted(trials["train.lr"]) == [1.0e-6, 1.0e-6, 3.0e-3, 3.0e-3]
+    assert set(trials["train.global_batch_size"]) <= {32, 64}
+    assert trials["train.warmup_steps"].between(0, 5).all()
+    assert all(abs(v * 10 - round(v * 10)) < 1e-9 for v in trials["train.min_lr_ratio"])
+    assert trials["model.params.dropout"].between(0.0, 0.1).all()
+    assert trials["train.weight_decay"].between(1.0e-4, 1.0e-2).all()
+    assert set(trials["status"]) <= {"completed", "stopped_early"}
+    on_disk = (asha_sweep.run_dir / TRIALS_FILE).read_text().splitlines()
+    assert len(on_disk) == 5  # header + one row per trial
+
+
+def test_asha_stops_a_clearly_worse_trial_early(asha_sweep):
+    trials = asha_sweep.trials
+    stopped = trials[trials["status"] == "stopped_early"]
+    assert len(stopped) >= 1
+    assert (stopped["epochs"] < 3).all()
+    assert (stopped["train.lr"] == 1.0e-6).any()
+
+
+def test_each_trial_keeps_its_metrics_history(asha_sweep):
+    for trial_id, epochs in zip(
+        asha_sweep.trials["trial_id"], asha_sweep.trials["epochs"], strict=True
+    ):
+        rows = (asha_sweep.run_dir / "trials" / trial_id / "metrics.csv").read_text()
+        assert len(rows.splitlines()) == epochs + 1
+
+
+def test_best_config_trains_distributed_with_the_trials_batch(asha_sweep, capsys):
+    best = asha_sweep.best_config
+    assert best.train.lr == 3.0e-3  # the good lr wins
+    path = asha_sweep.run_dir / BEST_CONFIG_FILE
+    assert rt.load_config(path) == best  # a complete, valid train config
+    assert main(["plan", "--config", str(path), "--set", "scaling.num_workers=2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["effective_batch_size"] == best.train.global_batch_size
+    assert (
+        plan["per_worker_batch_size"] * 2 * plan["grad_accum_steps"] == plan["effective_batch_size"]
+    )
+    assert plan["lr"] == pytest.approx(3.0e-3)  # the tuned lr, not rescaled
+
+
+def test_a_trial_that_raises_does_not_fail_the_sweep(ray_cluster, tmp_path):
+    cfg = sweep(
+        tmp_path,
+        "failing",
+        {
+            "scheduler": "fifo",
+            # nhead=3 cannot divide d_model=16: that trial's model factory raises.
+            "param_space": {"model.params.nhead": {"grid": [4, 3]}},
+        },
+    )
+    cfg["train"] = {"epochs": 1}
+    result = rt.tune(cfg)
+    by_head = dict(zip(result.trials["model.params.nhead"], result.trials["status"], strict=True))
+    assert by_head == {4: "completed", 3: "error"}
+    error = result.trials.loc[result.trials["status"] == "error", "error"].iloc[0]
+    assert "nhead" in error
+    assert result.best_config.model.params["nhead"] == 4
