@@ -10,6 +10,7 @@ whatever the number of workers it is later trained on.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 from dataclasses import dataclass
@@ -120,15 +121,14 @@ def _scheduler(cfg: RaytrainConfig, space: dict[str, Any]) -> Any:
 def _search_algorithm(cfg: RaytrainConfig) -> Any:
     if cfg.tune.search != "optuna":
         return None  # Tune's BasicVariantGenerator: random sampling and grid expansion
-    try:
-        from ray.tune.search.optuna import OptunaSearch
-
-        return OptunaSearch()
-    except ImportError:
+    if importlib.util.find_spec("optuna") is None:
         raise ConfigError(
             "tune.search=optuna needs optuna; install it with pip install "
             "'raytrain_app[optuna]' or use tune.search: random"
-        ) from None
+        )
+    from ray.tune.search.optuna import OptunaSearch
+
+    return OptunaSearch()
 
 
 def _check_sweep(cfg: RaytrainConfig, env: Environment) -> dict[str, Any]:

@@ -89,3 +89,19 @@ def test_the_builtin_sweep_is_valid():
 
     cfg = load_config(None, builtin=BUILTIN_SWEEP)
     assert len(build_search_space(cfg)) == 5 and cfg.tune.num_samples == 8
+
+
+def test_optuna_search_without_optuna_names_the_extra(monkeypatch):
+    import importlib.util
+
+    from raytrain_app.tuning import _search_algorithm
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "optuna" else real_find_spec(name, *a),
+    )
+    cfg = config_from_dict({"tune": {"search": "optuna"}})
+    with pytest.raises(ConfigError, match=r"raytrain_app\[optuna\]"):
+        _search_algorithm(cfg)
