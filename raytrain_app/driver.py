@@ -59,13 +59,18 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
     started = embedded = False
     if not ray.is_initialized():
         target = address or env.ray_address
-        if target:
-            ray.init(address=target, logging_level=logging.WARNING)
-        else:
-            # An embedded single-machine cluster sized like the plan assumed. It keeps the
-            # dashboard: Ray Train's placement-group cleanup needs its State API.
-            ray.init(num_cpus=int(env.resources.cpus), logging_level=logging.WARNING)
-            embedded = True
+        try:
+            if target:
+                ray.init(address=target, logging_level=logging.WARNING)
+            else:
+                # An embedded single-machine cluster sized like the plan assumed. It keeps
+                # the dashboard: Ray Train's placement-group cleanup needs its State API.
+                ray.init(num_cpus=int(env.resources.cpus), logging_level=logging.WARNING)
+                embedded = True
+        except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
+            where = f"the Ray cluster at {target}" if target else "a local Ray"
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RunFailedError(f"could not start or reach {where}: {reason}") from exc
         started = True
     try:
         resources, gpu = ray_cluster_resources()

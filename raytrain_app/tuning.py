@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,7 +183,26 @@ def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environ
     return tune.Tuner(trainable, param_space=space, tune_config=tune_config, run_config=run_config)
 
 
-def _trial_row(result: Any, keys: list[str], cfg: RaytrainConfig) -> dict[str, Any]:
+def _fit_noting_interrupt(tuner: tune.Tuner) -> tuple[Any, bool]:
+    """Run the sweep; also return whether Ctrl-C ended it early.
+
+    Tune catches SIGINT itself, saves its state and returns a normal-looking grid. Its
+    handler puts the previous handler back only when a signal arrived: that is the tell.
+    """
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        grid = tuner.fit()
+    finally:
+        interrupted = in_main_thread and signal.getsignal(signal.SIGINT) is before
+        if in_main_thread:
+            signal.signal(signal.SIGINT, before)  # Tune leaves its own handler installed
+    return grid, interrupted
+
+
+def _trial_row(
+    result: Any, keys: list[str], cfg: RaytrainConfig, interrupted: bool
+) -> dict[str, Any]:
     metric, history = cfg.tune.metric, result.metrics_dataframe
     values = history[metric].dropna() if history is not None and metric in history else None
     epochs = 0 if history is None else len(history)
@@ -190,13 +211,16 @@ def _trial_row(result: Any, keys: list[str], cfg: RaytrainConfig) -> dict[str, A
         best = float(values.min() if cfg.tune.mode == "min" else values.max())
     if result.error is not None:
         status = "error"
+    elif epochs >= cfg.train.epochs:
+        status = "completed"
     else:
-        status = "completed" if epochs >= cfg.train.epochs else "stopped_early"
+        # After an interruption a short trial may simply not have run to its end yet.
+        status = "unfinished" if interrupted else "stopped_early"
     final = (result.metrics or {}).get(metric)
     return {
         # Tune's short id ("76d8c_00000"), also the trial's folder under trials/.
         "trial_id": "_".join(Path(result.path).name.split("_")[2:4]),
-        **{key: result.config.get(key) for key in keys},
+        **{key: (result.config or {}).get(key) for key in keys},
         f"final_{metric}": final,
         f"best_{metric}": best,
         "epochs": epochs,
@@ -228,10 +252,12 @@ def tune_sweep(cfg: RaytrainConfig, *, address: str | None = None) -> TuneResult
     run_dir.check_resumable(cfg)
     with ray_session(address, env) as cluster_env:
         run_dir.write_config(cfg)
-        grid = _tuner(cfg, space, run_dir, cluster_env).fit()
+        grid, interrupted = _fit_noting_interrupt(_tuner(cfg, space, run_dir, cluster_env))
     keys = list(space)
-    trials = pd.DataFrame([_trial_row(grid[i], keys, cfg) for i in range(len(grid))])
+    trials = pd.DataFrame([_trial_row(r, keys, cfg, interrupted) for r in grid])
     trials.to_csv(run_dir.root / TRIALS_FILE, index=False)
+    if interrupted:
+        raise KeyboardInterrupt
     finite = [
         r
         for r in grid
