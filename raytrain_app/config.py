@@ -1,9 +1,9 @@
-"""Typed run configuration: the schema, YAML loading, ``--set`` overrides and one-line errors.
+"""Typed run configuration: YAML loading, ``--set`` overrides and one-line errors.
 
-The pydantic models below are the single source of truth for every config key and default.
-YAML files and ``--set key=value`` overrides are only data merged on top of them; any
-problem surfaces as a :class:`ConfigError` whose message is one sentence naming the key,
-the bad value and what is allowed.
+The pydantic models of ``config_schema`` are the single source of truth for every config
+key and default (re-exported here). YAML files and ``--set key=value`` overrides are only
+data merged on top of them; any problem surfaces as a :class:`ConfigError` whose message is
+one sentence naming the key, the bad value and what is allowed.
 """
 
 import difflib
@@ -15,14 +15,27 @@ import types
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from raytrain_app.errors import BadInputError
+from raytrain_app.config_schema import (
+    ConfigError,
+    DataConfig,
+    DataloaderConfig,
+    DistributedConfig,
+    ExperimentConfig,
+    FaultToleranceConfig,
+    ModelConfig,
+    RaytrainConfig,
+    ScalingConfig,
+    TrainConfig,
+    TuneConfig,
+    _OneSource,
+)
 
 __all__ = [
     "ConfigError",
@@ -50,318 +63,6 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_CONFIG = "quickstart.yaml"
 BUILTIN_SWEEP = "wind_sweep.yaml"
-
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonEmptyStr = Annotated[str, Field(min_length=1)]
-
-
-class ConfigError(BadInputError):
-    """A bad config, file or override; ``str()`` is one sentence the CLI prints before exiting 2."""
-
-    def __init__(self, message: str) -> None:
-        # the CLI prints exactly one line, so no stray newline may survive from nested messages
-        super().__init__(" ".join(message.splitlines()))
-
-
-# --------------------------------------------------------------------------- schema
-
-
-class _Section(BaseModel):
-    """Base of every config model: unknown keys are errors and values are never coerced."""
-
-    # strict: YAML already types its scalars, so coercing "yes" to a bool or 64.5 to an int
-    # would only hide mistakes (ints are still accepted where floats are expected)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
-
-
-class ExperimentConfig(_Section):
-    """Names the run and where its run directory lives."""
-
-    name: str = Field(
-        "quickstart",
-        description="Run name, also the run directory's name under output_dir "
-        "(letters, digits, '.', '_' and '-').",
-    )
-    output_dir: NonEmptyStr = Field(
-        "runs", description="Folder holding one run directory per experiment name."
-    )
-    seed: NonNegativeInt = Field(
-        0, description="Seed for model initialisation, data generation and shuffling."
-    )
-
-    @field_validator("name")
-    @classmethod
-    def _safe_directory_name(cls, value: str) -> str:
-        """Reject names that would escape output_dir or make awkward directory names."""
-        if not _SAFE_NAME.fullmatch(value):
-            raise ValueError(
-                "must be letters, digits, '.', '_' or '-', starting with a letter, digit or '_'"
-            )
-        return value
-
-
-class _OneSource(_Section):
-    """A section that names its workload by exactly one of ``SOURCE_KEYS``."""
-
-    SOURCE_KEYS: ClassVar[tuple[str, ...]] = ("name", "target")
-
-    @field_validator("target", check_fields=False)
-    @classmethod
-    def _importable_target(cls, value: str | None) -> str | None:
-        """Check the ``package.module:attribute`` form early, before any worker imports it."""
-        if value is not None and not _TARGET.fullmatch(value):
-            raise ValueError("must look like 'package.module:attribute'")
-        return value
-
-    @model_validator(mode="after")
-    def _exactly_one_source(self) -> "_OneSource":
-        """Keep exactly one source; a path or target the user gives replaces the default name."""
-        chosen = [key for key in self.SOURCE_KEYS if getattr(self, key) is not None]
-        if len(chosen) > 1 and "name" not in self.model_fields_set:
-            # bypass validate_assignment: we are already inside validation
-            self.__dict__["name"] = None
-            chosen.remove("name")
-        if len(chosen) > 1:
-            raise ValueError(
-                f"{' and '.join(chosen)} are set together; keep exactly one of "
-                f"{', '.join(self.SOURCE_KEYS)}"
-            )
-        if not chosen:
-            raise ValueError(f"set exactly one of {', '.join(self.SOURCE_KEYS)}")
-        return self
-
-
-class ModelConfig(_OneSource):
-    """Chooses the model: a built-in by name or a user factory by import target."""
-
-    name: str | None = Field(
-        "wind_transformer",
-        description="Built-in model to train; cleared automatically when target is given.",
-    )
-    target: str | None = Field(
-        None,
-        description="User model factory as 'package.module:attribute', used instead of a "
-        "built-in name.",
-    )
-    params: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword parameters passed unchanged to the model factory.",
-    )
-
-
-class DataConfig(_OneSource):
-    """Chooses the data: a built-in generator, Parquet files, or a user factory."""
-
-    SOURCE_KEYS: ClassVar[tuple[str, ...]] = ("name", "path", "target")
-
-    name: str | None = Field(
-        "synthetic_wind",
-        description="Built-in dataset; cleared automatically when path or target is given.",
-    )
-    path: NonEmptyStr | None = Field(
-        None, description="Parquet file or glob pattern of Parquet files to train on."
-    )
-    target: str | None = Field(
-        None,
-        description="User data factory as 'package.module:attribute', used instead of a "
-        "built-in name or a path.",
-    )
-    params: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword parameters passed unchanged to the dataset builder or factory.",
-    )
-
-
-class TrainConfig(_Section):
-    """Optimisation: epochs, batch size, learning-rate schedule, optimizer and checkpoints."""
-
-    epochs: PositiveInt = Field(5, description="Number of passes over the training data.")
-    global_batch_size: PositiveInt = Field(
-        64,
-        description="Effective batch size per optimizer step, the same for any number of workers.",
-    )
-    max_batch_per_worker: PositiveInt | None = Field(
-        None,
-        description="Largest micro-batch one worker may hold in memory; above it gradient "
-        "accumulation is used.",
-    )
-    lr: PositiveFloat = Field(
-        1e-3, description="Peak learning rate, before any lr_scaling is applied."
-    )
-    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
-        "none",
-        description="How lr scales with global_batch_size relative to base_batch_size.",
-    )
-    base_batch_size: PositiveInt | None = Field(
-        None,
-        description="Batch size the lr was tuned for; null means global_batch_size, so "
-        "scaling changes nothing.",
-    )
-    warmup_steps: NonNegativeInt = Field(
-        0, description="Optimizer steps of linear warmup from zero to the peak lr."
-    )
-    min_lr_ratio: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="Floor of the cosine decay as a fraction of the peak lr.",
-    )
-    optimizer: Literal["adamw", "adam", "sgd"] = Field(
-        "adamw", description="Optimizer used for every parameter."
-    )
-    weight_decay: float = Field(
-        0.01, ge=0, description="Weight decay coefficient passed to the optimizer."
-    )
-    grad_clip: PositiveFloat | None = Field(
-        1.0, description="Maximum global gradient norm; null disables clipping."
-    )
-    checkpoint_every_epochs: PositiveInt = Field(
-        1, description="Save a checkpoint every this many epochs (and always after the last)."
-    )
-    keep_checkpoints: PositiveInt | None = Field(
-        2, description="Number of newest checkpoints to keep; null keeps all of them."
-    )
-
-
-class ScalingConfig(_Section):
-    """How many Ray Train workers run and what each one reserves."""
-
-    num_workers: Literal["auto"] | PositiveInt = Field(
-        "auto",
-        description="Number of training workers; auto uses as many GPUs (or CPUs / "
-        "cpus_per_worker) as split global_batch_size evenly.",
-    )
-    use_gpu: Literal["auto"] | bool = Field(
-        "auto", description="Train on GPUs; auto uses them when the cluster has any."
-    )
-    cpus_per_worker: PositiveFloat = Field(1.0, description="CPUs Ray reserves for each worker.")
-    gpus_per_worker: PositiveFloat = Field(
-        1.0, description="GPUs Ray reserves for each worker when use_gpu is on; may be fractional."
-    )
-
-
-class DistributedConfig(_Section):
-    """How workers are wrapped and how they communicate."""
-
-    strategy: Literal["auto", "ddp", "single", "fsdp", "dp"] = Field(
-        "auto",
-        description="Parallel strategy: ddp (auto), single (one unwrapped worker), fsdp (GPUs "
-        "only); dp is refused because DDP replaces it.",
-    )
-    backend: Literal["auto", "nccl", "gloo"] = Field(
-        "auto",
-        description="torch.distributed backend; auto picks nccl on GPUs and gloo on CPUs.",
-    )
-    timeout_s: PositiveInt = Field(
-        600, description="Seconds a collective may wait before the process group times out."
-    )
-    find_unused_parameters: bool = Field(
-        False,
-        description="Let DDP tolerate parameters that get no gradient, at some speed cost.",
-    )
-
-
-class DataloaderConfig(_Section):
-    """Per-worker PyTorch DataLoader settings."""
-
-    num_workers: Literal["auto"] | NonNegativeInt = Field(
-        "auto",
-        description="Loader processes per training worker; auto is cpus_per_worker - 1, since "
-        "the training process needs one CPU itself.",
-    )
-    pin_memory: Literal["auto"] | bool = Field(
-        "auto", description="Pin host memory for faster copies; auto pins when training on GPUs."
-    )
-    persistent_workers: bool = Field(
-        True,
-        description="Keep loader processes alive between epochs when num_workers is above 0.",
-    )
-    prefetch_factor: PositiveInt = Field(
-        2, description="Batches each loader process prepares ahead of time."
-    )
-
-
-class FaultToleranceConfig(_Section):
-    """Restarts after worker failures."""
-
-    max_failures: int = Field(
-        3,
-        ge=-1,
-        description="Times the run restarts from its newest checkpoint after a failure; "
-        "-1 means unlimited.",
-    )
-
-
-class TuneConfig(_Section):
-    """The Ray Tune sweep run by ``raytrain tune``."""
-
-    num_samples: PositiveInt = Field(8, description="Number of trials to sample.")
-    metric: NonEmptyStr = Field("val_loss", description="Reported metric that ranks trials.")
-    mode: Literal["min", "max"] = Field(
-        "min", description="Whether a smaller or a larger metric is better."
-    )
-    scheduler: Literal["asha", "fifo", "pbt"] = Field(
-        "asha", description="Trial scheduler; asha stops poor trials early."
-    )
-    search: Literal["random", "grid", "optuna"] = Field(
-        "random", description="Search algorithm that proposes hyperparameters."
-    )
-    param_space: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Dotted config keys mapped to the distributions or values to sweep.",
-    )
-    max_concurrent_trials: PositiveInt | None = Field(
-        None, description="Most trials running at once; null lets the cluster size decide."
-    )
-    grace_period: PositiveInt = Field(
-        1, description="Epochs every trial runs before the scheduler may stop it."
-    )
-    reduction_factor: float = Field(
-        2.0, gt=1, description="Fraction 1/reduction_factor of trials ASHA keeps at each rung."
-    )
-    max_failures: NonNegativeInt = Field(
-        0, description="Times a failed trial is retried before it counts as errored."
-    )
-
-
-class RaytrainConfig(_Section):
-    """The complete configuration of a training run or sweep."""
-
-    experiment: ExperimentConfig = Field(
-        default_factory=ExperimentConfig, description="Run name, output folder and seed."
-    )
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Model to train.")
-    data: DataConfig = Field(default_factory=DataConfig, description="Data to train on.")
-    train: TrainConfig = Field(
-        default_factory=TrainConfig, description="Optimisation and checkpoint settings."
-    )
-    scaling: ScalingConfig = Field(
-        default_factory=ScalingConfig, description="Number of workers and their resources."
-    )
-    distributed: DistributedConfig = Field(
-        default_factory=DistributedConfig,
-        description="Parallel strategy and communication backend.",
-    )
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto",
-        description="Numeric precision; auto picks bf16 on compute capability >= 8.0, fp16 with a "
-        "GradScaler on 7.x, fp32 on CPU.",
-    )
-    dataloader: DataloaderConfig = Field(
-        default_factory=DataloaderConfig, description="Per-worker DataLoader settings."
-    )
-    fault_tolerance: FaultToleranceConfig = Field(
-        default_factory=FaultToleranceConfig, description="Restarts after failures."
-    )
-    tune: TuneConfig = Field(
-        default_factory=TuneConfig, description="Hyperparameter sweep settings."
-    )
-
 
 # --------------------------------------------------------------------------- YAML
 
