@@ -25,6 +25,7 @@ __all__ = [
     "load_config",
     "load_model",
     "plan",
+    "submit",
     "train",
     "tune",
 ]
@@ -45,6 +46,13 @@ def tune(config=None, *, overrides=(), address=None):
     if config is None:
         return tune_sweep(load_config(None, overrides, builtin=BUILTIN_SWEEP), address=address)
     return tune_sweep(_as_config(config, overrides), address=address)
+
+
+def submit(command, *, address=None, working_dir=".", wait=True):
+    """Submit ``raytrain <command>`` as a Ray job; see raytrain_app.jobs.submit."""
+    from raytrain_app.jobs import submit as _submit
+
+    return _submit(command, address=address, working_dir=working_dir, wait=wait)
 
 
 def plan(config=None, *, overrides=(), address=None):

@@ -56,6 +56,50 @@ def build_parser() -> argparse.ArgumentParser:
     tune = commands.add_parser("tune", help="hyperparameter sweep of single-worker trials")
     _add_config_flags(tune)
 
+    submit = commands.add_parser(
+        "submit",
+        help="run train or tune as a Ray job on a cluster",
+        usage="raytrain submit [--address URL] [--no-wait] [--working-dir D] -- "
+        "train|tune [ARGS ...]",
+    )
+    submit.add_argument(
+        "--address",
+        metavar="URL",
+        help="job server, e.g. http://HEAD:8265 (default: "
+        "RAY_API_SERVER_ADDRESS, then RAY_ADDRESS)",
+    )
+    submit.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="print the job id and return instead of streaming its logs",
+    )
+    submit.add_argument(
+        "--working-dir",
+        default=".",
+        metavar="D",
+        help="directory sent with the job, its working directory (default: the current one)",
+    )
+    submit.add_argument(
+        "raytrain_args", nargs=argparse.REMAINDER, metavar="COMMAND",
+        help="the raytrain command to run, after --",
+    )
+
+    jobs = commands.add_parser("jobs", help="manage submitted jobs")
+    jobs.add_argument("--address", metavar="URL", help="job server (as for submit)")
+    actions = jobs.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions.add_parser("list", help="every job on the cluster")
+    for name, text in (
+        ("status", "a job's status"),
+        ("logs", "a job's logs"),
+        ("stop", "stop a job"),
+    ):
+        action = actions.add_parser(name, help=text)
+        action.add_argument("job_id")
+        if name == "logs":
+            action.add_argument(
+                "--follow", "-f", action="store_true", help="keep streaming until the job ends"
+            )
+
     predict = commands.add_parser("predict", help="single-device inference from a checkpoint")
     predict.add_argument(
         "--checkpoint", required=True, metavar="PATH", help="checkpoint directory or run directory"
@@ -165,7 +209,57 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"train": _cmd_train, "plan": _cmd_plan, "tune": _cmd_tune, "predict": _cmd_predict}
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from raytrain_app import jobs
+
+    command = args.raytrain_args
+    command = command[1:] if command[:1] == ["--"] else command
+    job_id = jobs.submit(command, address=args.address, working_dir=args.working_dir, wait=False)
+    where = f" --address {args.address}" if args.address else ""
+    if args.no_wait:
+        print(job_id)
+        return 0
+    print(f"submitted {job_id}; streaming its logs (Ctrl-C stops watching, not the job)")
+    try:
+        status = jobs.follow_logs(job_id, address=args.address)
+    except KeyboardInterrupt:
+        print(
+            f"\nstopped watching; {job_id} keeps running. Stop it with: "
+            f"raytrain jobs{where} stop {job_id}",
+            file=sys.stderr,
+        )
+        return 130
+    print(f"job {job_id} {status}")
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    from raytrain_app import jobs
+
+    if args.action == "list":
+        for job in jobs.list_jobs(address=args.address):
+            print(f"{job.submission_id or job.job_id}  {job.status.value:<9}  {job.entrypoint}")
+        return 0
+    if args.action == "status":
+        print(jobs.job_status(args.job_id, address=args.address))
+    elif args.action == "logs" and args.follow:
+        jobs.follow_logs(args.job_id, address=args.address)
+    elif args.action == "logs":
+        sys.stdout.write(jobs.job_logs(args.job_id, address=args.address))
+    elif args.action == "stop":
+        stopped = jobs.stop_job(args.job_id, address=args.address)
+        print(f"stopping {args.job_id}" if stopped else f"{args.job_id} had already ended")
+    return 0
+
+
+_COMMANDS = {
+    "train": _cmd_train,
+    "plan": _cmd_plan,
+    "tune": _cmd_tune,
+    "predict": _cmd_predict,
+    "submit": _cmd_submit,
+    "jobs": _cmd_jobs,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

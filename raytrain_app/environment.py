@@ -194,6 +194,29 @@ def ray_cluster_resources() -> tuple[Resources, GpuInfo | None]:
     return resources, gpu
 
 
+def job_server_address(flag: str | None) -> str | None:
+    """The Ray job server to talk to: ``--address``, else Ray's own variables."""
+    return flag or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
+
+
+def enable_client_token_auth() -> bool:
+    """Send the Ray auth token with client requests if one is configured; True if so.
+
+    Ray 2.60 clients attach ``Authorization: Bearer`` only when ``RAY_AUTH_MODE=token``;
+    the token itself comes from ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token``.
+    """
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    has_token = bool(
+        os.environ.get("RAY_AUTH_TOKEN")
+        or (path and os.path.isfile(path))
+        or os.path.isfile(os.path.expanduser("~/.ray/auth_token"))
+    )
+    if has_token:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    return has_token
+
+
 def apply_ray_train_defaults() -> None:
     """Set Ray Train's tuning variables in this (driver) process unless the user set them.
 

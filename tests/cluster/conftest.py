@@ -1,0 +1,20 @@
+"""Fixtures for tests against real clusters started by the tests themselves."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ray_head import RayHead, start_head
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory) -> RayHead:
+    """``ray start --head`` with token auth, private ports, temp dir and HOME."""
+    head = start_head(tmp_path_factory.mktemp("head"))
+    yield head
+    head.stop()

@@ -1,0 +1,200 @@
+"""`raytrain submit` and `raytrain jobs` against a real token-auth Ray head (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.cluster
+
+TINY = {
+    "experiment": {"name": "job"},
+    "data": {"params": {"num_turbines": 2, "num_hours": 1200, "stride": 4}},
+    "train": {"epochs": 1},
+    "scaling": {"num_workers": 2},
+}
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A user's project directory with a config, sent as the job's working directory."""
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "my.yaml").write_text(yaml.safe_dump(TINY))
+    return root
+
+
+def raytrain(args: list[str], env: dict, cwd: Path, timeout: float = 240):
+    return subprocess.run(
+        [sys.executable, "-m", "raytrain_app.cli", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def submitted_id(output: str) -> str:
+    match = re.search(r"raysubmit_\w+", output)
+    assert match, output
+    return match.group(0)
+
+
+def test_a_train_job_succeeds_and_leaves_its_run_directory(ray_head, project, tmp_path):
+    out = tmp_path / "shared_runs"  # "shared storage" as the head sees it
+    result = raytrain(
+        [
+            "submit",
+            "--address",
+            ray_head.dashboard_url,
+            "--",
+            "train",
+            "--config",
+            "my.yaml",
+            "--set",
+            f"experiment.output_dir={out}",
+        ],
+        ray_head.client_env(),
+        project,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCEEDED" in result.stdout
+    assert "val_loss" in result.stdout  # the job's own output was streamed back
+    summary = json.loads((out / "job" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["epochs_completed"] == 1
+
+
+def test_an_invalid_config_fails_the_job_with_its_one_line_error(ray_head, project):
+    env = ray_head.client_env()
+    result = raytrain(
+        [
+            "submit",
+            "--address",
+            ray_head.dashboard_url,
+            "--",
+            "train",
+            "--config",
+            "my.yaml",
+            "--set",
+            "train.lrr=0.1",
+        ],
+        env,
+        project,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    job_id = submitted_id(result.stdout)
+    status = raytrain(["jobs", "--address", ray_head.dashboard_url, "status", job_id], env, project)
+    assert status.stdout.strip() == "FAILED"
+    logs = raytrain(["jobs", "--address", ray_head.dashboard_url, "logs", job_id], env, project)
+    assert "error: unknown config key 'train.lrr' (did you mean 'train.lr'?)" in logs.stdout
+    assert "Traceback" not in logs.stdout
+
+
+def test_no_wait_then_status_logs_and_stop(ray_head, project):
+    env, url = ray_head.client_env(), ray_head.dashboard_url
+    result = raytrain(
+        [
+            "submit",
+            "--address",
+            url,
+            "--no-wait",
+            "--",
+            "train",
+            "--config",
+            "my.yaml",
+            "--set",
+            "train.epochs=50",
+            "--set",
+            "experiment.name=long",
+        ],
+        env,
+        project,
+    )
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.strip()
+    assert re.fullmatch(r"raysubmit_\w+", job_id)
+
+    listed = raytrain(["jobs", "--address", url, "list"], env, project)
+    assert job_id in listed.stdout
+    deadline = time.monotonic() + 120
+    while (
+        "epoch 1/50"
+        not in raytrain(["jobs", "--address", url, "logs", job_id], env, project).stdout
+    ):
+        assert time.monotonic() < deadline, "the job never logged its first epoch"
+        time.sleep(2)
+    status = raytrain(["jobs", "--address", url, "status", job_id], env, project)
+    assert status.stdout.strip() == "RUNNING"
+
+    stop = raytrain(["jobs", "--address", url, "stop", job_id], env, project)
+    assert stop.returncode == 0 and "stopping" in stop.stdout
+    deadline = time.monotonic() + 60
+    while (
+        state := raytrain(["jobs", "--address", url, "status", job_id], env, project).stdout.strip()
+    ) != "STOPPED":
+        assert time.monotonic() < deadline, state
+        time.sleep(1)
+
+
+def test_without_the_token_the_cluster_refuses_with_a_clear_message(ray_head, project):
+    result = raytrain(
+        ["jobs", "--address", ray_head.dashboard_url, "list"],
+        ray_head.client_env(with_token=False),
+        project,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "requires token authentication" in lines[0]
+    assert "RAY_AUTH_TOKEN" in lines[0]
+
+
+def test_an_unknown_job_id_is_a_clear_error(ray_head, project):
+    result = raytrain(
+        ["jobs", "--address", ray_head.dashboard_url, "status", "raysubmit_nope"],
+        ray_head.client_env(),
+        project,
+    )
+    assert result.returncode == 2
+    assert "job 'raysubmit_nope' does not exist" in result.stderr
+
+
+def test_ctrl_c_while_watching_leaves_the_job_running(ray_head, project):
+    import signal
+
+    env, url = ray_head.client_env(), ray_head.dashboard_url
+    command = [
+        sys.executable,
+        "-m",
+        "raytrain_app.cli",
+        "submit",
+        "--address",
+        url,
+        "--",
+        "train",
+        "--config",
+        "my.yaml",
+        "--set",
+        "train.epochs=50",
+        "--set",
+        "experiment.name=watched",
+    ]
+    with subprocess.Popen(
+        command, env=env, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        job_id = submitted_id(proc.stdout.readline())
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert f"{job_id} keeps running" in stderr and f"jobs --address {url} stop {job_id}" in stderr
+    status = raytrain(["jobs", "--address", url, "status", job_id], env, project)
+    assert status.stdout.strip() in ("PENDING", "RUNNING")
+    raytrain(["jobs", "--address", url, "stop", job_id], env, project)

@@ -1,0 +1,96 @@
+"""Run notebooks_driver/quickstart.ipynb in a real Jupyter kernel, small, start to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import ipykernel.kernelspec
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+pytestmark = pytest.mark.cluster
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "notebooks_driver" / "quickstart.ipynb"
+EPOCHS = 2
+SWEEP_SAMPLES = 2
+# The synthetic data shrunk to under a quarter of a year: the test checks the notebook
+# runs end to end, not what the model learns.
+EXTRA = ["data.params.num_hours=2000"]
+# Appended to the executed copy: which Python the kernel really runs.
+PROBE = "import json, sys\nprint(json.dumps({'prefix': sys.prefix}))"
+
+
+def _with_test_parameters(nb: nbformat.NotebookNode, output_dir: Path) -> None:
+    (cell,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    cell.source = "\n".join(
+        [
+            f"EPOCHS = {EPOCHS}",
+            "WORKERS = 2",
+            "ADDRESS = None",
+            f"SWEEP_SAMPLES = {SWEEP_SAMPLES}",
+            "SWEEP_EPOCHS = 1",
+            f"OUTPUT_DIR = {str(output_dir)!r}",
+            f"EXTRA = {EXTRA!r}",
+        ]
+    )
+    nb.cells.append(nbformat.v4.new_code_cell(PROBE))
+
+
+def _kernel_env(home: Path, ray_tmp: str) -> dict[str, str]:
+    """This process's environment, isolated for the Ray that the kernel starts."""
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env.pop("MPLBACKEND", None)  # the kernel's inline backend renders the plots
+    env.update(HOME=str(home), RAY_TMPDIR=ray_tmp)
+    return env
+
+
+def _rows(path: Path) -> int:
+    with path.open(newline="") as handle:
+        return len(list(csv.DictReader(handle)))
+
+
+@pytest.fixture
+def venv_kernel(tmp_path, monkeypatch) -> str:
+    """A 'python3' kernelspec that runs this interpreter, found first on JUPYTER_PATH."""
+    prefix = tmp_path / "jupyter"
+    ipykernel.kernelspec.install(kernel_name="python3", prefix=str(prefix))
+    monkeypatch.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
+    return "python3"
+
+
+def test_quickstart_notebook_runs(tmp_path, venv_kernel):
+    nb = nbformat.read(QUICKSTART, as_version=4)
+    output_dir = tmp_path / "runs"
+    _with_test_parameters(nb, output_dir)
+    home = tmp_path / "home"
+    home.mkdir()
+    # Short: Ray's Unix socket paths live under it and must stay < 108 bytes.
+    ray_tmp = tempfile.mkdtemp(prefix="rt-nb-", dir="/tmp")
+    client = NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name=venv_kernel,
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    try:
+        client.execute(env=_kernel_env(home, ray_tmp))  # raises CellExecutionError
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+    probe = json.loads(nb.cells[-1].outputs[0]["text"])
+    assert Path(probe["prefix"]).resolve() == Path(sys.prefix).resolve()
+
+    (loss_cell,) = [c for c in nb.cells if "loss-plot" in c.metadata.get("tags", [])]
+    assert any("image/png" in out.get("data", {}) for out in loss_cell.outputs)
+
+    assert _rows(output_dir / "notebook" / "metrics.csv") == EPOCHS
+    assert _rows(output_dir / "notebook_sweep" / "trials.csv") == SWEEP_SAMPLES
+    assert (output_dir / "notebook_sweep" / "best_config.yaml").is_file()
