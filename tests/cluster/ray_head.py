@@ -92,7 +92,8 @@ def start_head(root: Path, num_cpus: int = 2) -> RayHead:
     home = root / "home"
     (home / "client").mkdir(parents=True)
     token = secrets.token_hex(16)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # No PYTHONPATH from other tests: user code must reach the head through the job itself.
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
     # ray start --head turns token auth on when a token exists; the job server then
     # refuses requests without it.
     env.update(HOME=str(home), RAY_AUTH_TOKEN=token, RAY_AUTH_MODE="token")

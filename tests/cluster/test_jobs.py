@@ -198,3 +198,29 @@ def test_ctrl_c_while_watching_leaves_the_job_running(ray_head, project):
     status = raytrain(["jobs", "--address", url, "status", job_id], env, project)
     assert status.stdout.strip() in ("PENDING", "RUNNING")
     raytrain(["jobs", "--address", url, "stop", job_id], env, project)
+
+
+def test_user_code_travels_with_the_job(ray_head, tmp_path):
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    out = tmp_path / "runs"
+    result = raytrain(
+        [
+            "submit",
+            "--address",
+            ray_head.dashboard_url,
+            "--working-dir",
+            str(examples),
+            "--",
+            "train",
+            "--config",
+            str(examples / "sine.yaml"),
+            "--set",
+            "train.epochs=1",
+            "--set",
+            f"experiment.output_dir={out}",
+        ],
+        ray_head.client_env(),
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (out / "sine" / "summary.json").is_file()
