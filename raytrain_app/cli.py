@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory sent with the job, its working directory (default: the current one)",
     )
     submit.add_argument(
-        "raytrain_args", nargs=argparse.REMAINDER, metavar="COMMAND",
+        "raytrain_args",
+        nargs=argparse.REMAINDER,
+        metavar="COMMAND",
         help="the raytrain command to run, after --",
     )
 

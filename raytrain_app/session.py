@@ -73,21 +73,29 @@ class RayTrainSession:
         checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
         ray.train.report(metrics, checkpoint=checkpoint)
 
-    @contextlib.contextmanager
-    def restored_checkpoint(self) -> Iterator[Path | None]:
+    def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         import ray.train
 
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            yield None
-            return
-        with checkpoint.as_directory() as directory:
-            yield Path(directory)
+        return _checkpoint_directory(ray.train.get_checkpoint())
 
     def node_address(self) -> str:
-        import ray.util
+        return _node_address()
 
-        return ray.util.get_node_ip_address()
+
+@contextlib.contextmanager
+def _checkpoint_directory(checkpoint: Any) -> Iterator[Path | None]:
+    """A Ray checkpoint (Train's or Tune's) as a local directory, or None."""
+    if checkpoint is None:
+        yield None
+        return
+    with checkpoint.as_directory() as directory:
+        yield Path(directory)
+
+
+def _node_address() -> str:
+    import ray.util
+
+    return ray.util.get_node_ip_address()
 
 
 @contextlib.contextmanager
@@ -147,18 +155,10 @@ class TuneTrialSession:
         checkpoint = tune.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
         tune.report(metrics, checkpoint=checkpoint)
 
-    @contextlib.contextmanager
-    def restored_checkpoint(self) -> Iterator[Path | None]:
+    def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         from ray import tune
 
-        checkpoint = tune.get_checkpoint()
-        if checkpoint is None:
-            yield None
-            return
-        with checkpoint.as_directory() as directory:
-            yield Path(directory)
+        return _checkpoint_directory(tune.get_checkpoint())
 
     def node_address(self) -> str:
-        import ray.util
-
-        return ray.util.get_node_ip_address()
+        return _node_address()

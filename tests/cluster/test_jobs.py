@@ -42,6 +42,23 @@ def raytrain(args: list[str], env: dict, cwd: Path, timeout: float = 240):
     )
 
 
+def submit_train(head, cwd: Path, *overrides: str, flags: tuple[str, ...] = ()):
+    """`raytrain submit [flags] -- train --config my.yaml --set ...` from ``cwd``."""
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    command = [
+        "submit",
+        "--address",
+        head.dashboard_url,
+        *flags,
+        "--",
+        "train",
+        "--config",
+        "my.yaml",
+        *sets,
+    ]
+    return raytrain(command, head.client_env(), cwd)
+
+
 def submitted_id(output: str) -> str:
     match = re.search(r"raysubmit_\w+", output)
     assert match, output
@@ -50,21 +67,7 @@ def submitted_id(output: str) -> str:
 
 def test_a_train_job_succeeds_and_leaves_its_run_directory(ray_head, project, tmp_path):
     out = tmp_path / "shared_runs"  # "shared storage" as the head sees it
-    result = raytrain(
-        [
-            "submit",
-            "--address",
-            ray_head.dashboard_url,
-            "--",
-            "train",
-            "--config",
-            "my.yaml",
-            "--set",
-            f"experiment.output_dir={out}",
-        ],
-        ray_head.client_env(),
-        project,
-    )
+    result = submit_train(ray_head, project, f"experiment.output_dir={out}")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCEEDED" in result.stdout
     assert "val_loss" in result.stdout  # the job's own output was streamed back
@@ -74,21 +77,7 @@ def test_a_train_job_succeeds_and_leaves_its_run_directory(ray_head, project, tm
 
 def test_an_invalid_config_fails_the_job_with_its_one_line_error(ray_head, project):
     env = ray_head.client_env()
-    result = raytrain(
-        [
-            "submit",
-            "--address",
-            ray_head.dashboard_url,
-            "--",
-            "train",
-            "--config",
-            "my.yaml",
-            "--set",
-            "train.lrr=0.1",
-        ],
-        env,
-        project,
-    )
+    result = submit_train(ray_head, project, "train.lrr=0.1")
     assert result.returncode == 1, result.stdout + result.stderr
     job_id = submitted_id(result.stdout)
     status = raytrain(["jobs", "--address", ray_head.dashboard_url, "status", job_id], env, project)
@@ -100,23 +89,8 @@ def test_an_invalid_config_fails_the_job_with_its_one_line_error(ray_head, proje
 
 def test_no_wait_then_status_logs_and_stop(ray_head, project):
     env, url = ray_head.client_env(), ray_head.dashboard_url
-    result = raytrain(
-        [
-            "submit",
-            "--address",
-            url,
-            "--no-wait",
-            "--",
-            "train",
-            "--config",
-            "my.yaml",
-            "--set",
-            "train.epochs=50",
-            "--set",
-            "experiment.name=long",
-        ],
-        env,
-        project,
+    result = submit_train(
+        ray_head, project, "train.epochs=50", "experiment.name=long", flags=("--no-wait",)
     )
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip()
