@@ -128,6 +128,12 @@ def choose_world_size(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> i
                     f"this machine can host ({unit}); lower scaling.num_workers or pass "
                     f"--address of a larger Ray cluster"
                 )
+            if env.slurm is not None:  # a SLURM allocation never grows
+                raise PlanError(
+                    f"scaling.num_workers={requested} needs more than the {devices} workers "
+                    f"this SLURM allocation can host ({unit}); lower scaling.num_workers or "
+                    f"request more (sbatch --nodes, --gpus-per-node, --cpus-per-task)"
+                )
             # A cluster with an autoscaler may still grow; without one, Ray waits for it.
             logger.warning(
                 "scaling.num_workers=%d is more than the %d workers the cluster can host now "

@@ -188,6 +188,17 @@ def test_too_many_workers_for_this_machine_names_the_key():
         make_plan(cfg, make_env(cpus=2))
 
 
+def test_too_many_workers_for_a_slurm_allocation_names_the_sbatch_flags():
+    env = replace(
+        make_env(cpus=4, source="ray cluster"),
+        slurm=SlurmInfo(job_id="7", num_nodes=2, ntasks=2, cpus_per_task=2, gpus_per_node=None),
+    )
+    cfg = config_from_dict({"scaling": {"num_workers": 8}})
+    with pytest.raises(PlanError, match="SLURM allocation.*--cpus-per-task"):
+        make_plan(cfg, env)
+    assert make_plan(config_from_dict({"scaling": {"num_workers": 4}}), env).world_size == 4
+
+
 def test_single_strategy_forces_one_worker():
     cfg = config_from_dict({"distributed": {"strategy": "single"}})
     assert make_plan(cfg, make_env(cpus=8)).world_size == 1

@@ -1,0 +1,166 @@
+"""What every benchmark shares: settings, interleaved repeats, medians and the result record."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Settings:
+    """Knobs of one invocation.
+
+    Attributes:
+        repeats: measured rounds per benchmark (each round runs every variant once).
+        quick: smaller data and fewer epochs, for a smoke run of the suite.
+        work_dir: scratch space for run directories, stamp files and Ray temp dirs.
+    """
+
+    repeats: int = 3
+    quick: bool = False
+    work_dir: Path = field(default_factory=Path)
+
+    def scratch(self, name: str) -> Path:
+        """A fresh, unique directory under ``work_dir``."""
+        path = self.work_dir / f"{name}-{uuid.uuid4().hex[:8]}"
+        path.mkdir(parents=True)
+        return path
+
+
+def unique_name(*parts: Any) -> str:
+    """An experiment name no earlier run used (a reused name would resume that run)."""
+    return "-".join(str(p) for p in parts) + f"-{uuid.uuid4().hex[:6]}"
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def interleave(
+    variants: dict[str, Callable[[int], Any]], repeats: int, warmup_rounds: int = 0
+) -> dict[str, list[Any]]:
+    """Run ``variants`` in rounds A B A B ...; return each variant's measured results.
+
+    Each callable gets the round index (negative for warm-up rounds, whose results are
+    dropped), so repeated runs can use unique names.
+    """
+    results: dict[str, list[Any]] = {name: [] for name in variants}
+    for round_index in range(-warmup_rounds, repeats):
+        for name, run in variants.items():
+            label = "warm-up" if round_index < 0 else f"round {round_index + 1}/{repeats}"
+            start = time.perf_counter()
+            value = run(round_index)
+            logger.info(
+                "  %s, %s: %s (%.1f s)",
+                label,
+                name,
+                _short(value),
+                time.perf_counter() - start,
+            )
+            if round_index >= 0:
+                results[name].append(value)
+    return results
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        shown = {k: v for k, v in value.items() if isinstance(v, int | float)}
+        return ", ".join(f"{k}={v:.4g}" for k, v in list(shown.items())[:4])
+    return str(value)[:80]
+
+
+def ratio_record(
+    *,
+    candidate: str,
+    baseline: str,
+    samples: dict[str, list[float]],
+    goal: float | None,
+    higher_is_better: bool = False,
+    unit: str,
+    what: str,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The JSON record of a ``candidate / baseline`` ratio of medians.
+
+    ``goal`` is an upper bound on the ratio (a lower bound when ``higher_is_better``).
+    """
+    medians = {name: median(values) for name, values in samples.items()}
+    ratio = medians[candidate] / medians[baseline]
+    pairs = [c / b for c, b in zip(samples[candidate], samples[baseline], strict=False)]
+    return {
+        "what": what,
+        "ratio": round(ratio, 4),
+        "goal": None if goal is None else f"{'>=' if higher_is_better else '<='} {goal}",
+        "goal_met": None
+        if goal is None
+        else (ratio >= goal if higher_is_better else ratio <= goal),
+        "candidate": candidate,
+        "baseline": baseline,
+        "unit": unit,
+        "median": {k: round(v, 6) for k, v in medians.items()},
+        "pairwise_ratios": [round(r, 4) for r in pairs],
+        "raw": {k: [round(v, 6) for v in vs] for k, vs in samples.items()},
+        **extra,
+    }
+
+
+def machine_name() -> str:
+    """What hardware this is: the GPU model if any, else ``cpu<cores>-<arch>``."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        return "gpu-" + "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"cpu{cores}-{platform.machine()}"
+
+
+def usable_cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_busy_percent(seconds: float = 2.0) -> float:
+    """Share of all CPUs busy over ``seconds`` (from /proc/stat), whoever uses them."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as handle:
+            values = [int(v) for v in handle.readline().split()[1:]]
+        idle = values[3] + values[4]  # idle + iowait
+        return sum(values) - idle, sum(values)
+
+    busy0, total0 = sample()
+    time.sleep(seconds)
+    busy1, total1 = sample()
+    return 100.0 * (busy1 - busy0) / max(total1 - total0, 1)
+
+
+def wait_until_quiet(threshold_percent: float, max_wait_s: float) -> float:
+    """Wait (up to ``max_wait_s``) until the machine is mostly idle; the last busy %.
+
+    Other people's jobs on a 2-core machine would distort every timing here, so each
+    benchmark starts only once the CPUs are quiet; what was seen is recorded.
+    """
+    deadline = time.monotonic() + max_wait_s
+    busy = cpu_busy_percent()
+    while busy > threshold_percent and time.monotonic() < deadline:
+        logger.warning("machine busy (%.0f %% CPU by other work); waiting to start", busy)
+        time.sleep(10)
+        busy = cpu_busy_percent()
+    return busy

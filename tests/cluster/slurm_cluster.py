@@ -1,0 +1,324 @@
+"""A private SLURM cluster on this machine, for tests: 1 or 2 nodes, torn down by PID.
+
+Each node is its own PID, mount, UTS and network namespace (``unshare``) with a small
+PID 1 that reaps orphans: Ray's daemons would otherwise linger as zombies, and
+``ray symmetric-run`` ends with ``ray stop``, which stops every Ray process it can see, so
+each node must see only its own. Node 1 runs munged, slurmctld and slurmd; node 2 runs
+slurmd. A veth pair joins the two network namespaces on a private /24 used only inside
+them. Everything lives in one temp dir on the shared filesystem (the munge socket, state,
+logs, the jobs' run directories). Client commands (``sbatch``) run through ``nsenter``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUBNET = "10.77.0"  # only inside the test's own network namespaces
+SLURM_PACKAGES = ("slurmctld", "slurmd", "sbatch", "munged", "unshare", "nsenter", "ip")
+
+# PID 1 of a node: starts the node's services, then reaps every orphan until killed.
+_REAPER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    subprocess.Popen(["bash", sys.argv[1]])
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            time.sleep(0.2)
+""")
+
+
+def missing_requirements() -> str | None:
+    """Why this machine cannot host the test cluster, or None."""
+    if os.geteuid() != 0:
+        return "creating network namespaces for the SLURM nodes needs root"
+    missing = [
+        tool
+        for tool in SLURM_PACKAGES
+        if not any((Path(d) / tool).exists() for d in ("/usr/bin", "/usr/sbin", "/bin", "/sbin"))
+    ]
+    if missing:
+        return (
+            f"SLURM test cluster needs {', '.join(missing)} (apt-get install slurmctld "
+            "slurmd slurm-client munge iproute2)"
+        )
+    return None
+
+
+@dataclass
+class Node:
+    name: str
+    address: str
+    process: subprocess.Popen | None = None
+
+    @property
+    def init_pid(self) -> int:
+        """Host PID of the node's PID 1 (the child ``unshare --fork`` made)."""
+        assert self.process is not None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+            pids = children.read_text().split() if children.exists() else []
+            if pids:
+                return int(pids[0])
+            time.sleep(0.05)
+        raise RuntimeError(f"node {self.name} has no init process")
+
+
+@dataclass
+class SlurmCluster:
+    """The running cluster; ``run`` executes a command on node 1 as a cluster client."""
+
+    root: Path
+    nodes: list[Node]
+    cpus: int
+    env: dict[str, str] = field(default_factory=dict)
+
+    def run(
+        self, command: list[str], timeout: float = 300, check: bool = False, cwd: Path | None = None
+    ) -> subprocess.CompletedProcess:
+        nsenter = [
+            "nsenter",
+            "-t",
+            str(self.nodes[0].init_pid),
+            "--pid",
+            "--mount",
+            "--net",
+            "--uts",
+            f"--wd={cwd or self.root}",
+        ]
+        return subprocess.run(
+            [*nsenter, *command],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=check,
+        )
+
+    def sbatch_wait(self, args: list[str], timeout: float = 400) -> tuple[str, int]:
+        """``sbatch --wait``; returns (job id, sbatch's exit code)."""
+        result = self.run(["sbatch", "--parsable", "--wait", *args], timeout=timeout)
+        job_id = result.stdout.strip().split(";")[0]
+        return job_id, result.returncode
+
+    def job_state(self, job_id: str) -> str:
+        out = self.run(["scontrol", "show", "job", job_id]).stdout
+        for token in out.split():
+            if token.startswith("JobState="):
+                return token.split("=", 1)[1]
+        return "UNKNOWN"
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):
+            if node.process and node.process.poll() is None:
+                # Killing a PID namespace's init kills everything inside it.
+                os.kill(node.init_pid, signal.SIGKILL)
+                node.process.wait(timeout=30)
+        subprocess.run(["ip", "link", "del", "rt-veth0"], capture_output=True)
+
+
+def _slurm_conf(root: Path, nodes: list[Node], cpus: int, ports: dict[str, int]) -> str:
+    lines = [
+        "ClusterName=rtest",
+        f"SlurmctldHost={nodes[0].name}({nodes[0].address})",
+        f"SlurmctldPort={ports['ctld']}",
+        f"SlurmdPort={ports['slurmd']}",
+        f"SrunPortRange={ports['srun']}-{ports['srun'] + 200}",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={root}/munge/munge.socket",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        f"StateSaveLocation={root}/state",
+        f"SlurmdSpoolDir={root}/spool/%n",
+        f"SlurmctldPidFile={root}/slurmctld.pid",
+        f"SlurmdPidFile={root}/slurmd-%n.pid",
+        f"SlurmctldLogFile={root}/log/slurmctld.log",
+        f"SlurmdLogFile={root}/log/slurmd-%n.log",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "MpiDefault=none",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "ReturnToService=2",
+        "SlurmdTimeout=30",
+        "InactiveLimit=0",
+        "KillWait=5",
+    ]
+    for node in nodes:
+        lines.append(
+            f"NodeName={node.name} NodeAddr={node.address} CPUs={cpus} "
+            "RealMemory=4000 State=UNKNOWN"
+        )
+    lines.append(
+        f"PartitionName=debug Nodes={','.join(n.name for n in nodes)} Default=YES "
+        "MaxTime=INFINITE State=UP"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _node_script(root: Path, node: Node, first: bool, alone: bool) -> Path:
+    """The services one node runs, started by its PID 1."""
+    munge = (
+        (
+            f"munged --force --socket={root}/munge/munge.socket "
+            f"--pid-file={root}/munge/munged.pid --log-file={root}/log/munged.log "
+            f"--seed-file={root}/munge/munge.seed\n"
+        )
+        if first
+        else ""
+    )
+    ctld = "slurmctld -D -i &\nsleep 1\n" if first else ""
+    # A lone node links to nobody: a veth pair inside its own namespace gives it an address.
+    own_link = (
+        (
+            f"ip link add rt-a type veth peer name rt-b && ip addr add {node.address}/24 "
+            "dev rt-a && ip link set rt-a up && ip link set rt-b up"
+        )
+        if alone
+        else ""
+    )
+    script = root / f"start-{node.name}.sh"
+    script.write_text(
+        textwrap.dedent(f"""\
+        set -u
+        hostname {node.name}
+        ip link set lo up
+        {own_link}
+        # SLURM binds with AI_ADDRCONFIG, which finds nothing until a non-loopback
+        # address exists: wait for this node's.
+        until ip -br addr | grep -q ' {node.address}/'; do sleep 0.1; done
+        # Hostnames need not resolve on real clusters either, but slurmd looks itself up.
+        mount --bind {root}/hosts /etc/hosts
+        export SLURM_CONF={root}/slurm.conf
+        {munge}{ctld}
+        exec slurmd -D -N {node.name}
+        """)
+    )
+    return script
+
+
+def _wait_for_veth_peer(node: Node) -> None:
+    deadline = time.monotonic() + 10
+    while not Path(f"/proc/{node.init_pid}/ns/net").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"node {node.name} did not start")
+        time.sleep(0.05)
+
+
+def _start_node(root: Path, node: Node, script: Path, env: dict) -> None:
+    reaper = root / "reaper.py"
+    reaper.write_text(_REAPER)
+    # The child keeps its own copy of the log descriptor; ours can close at once.
+    with (root / "log" / f"{node.name}.out").open("w") as log:
+        node.process = subprocess.Popen(
+            [
+                "unshare",
+                "--pid",
+                "--mount",
+                "--uts",
+                "--net",
+                "--fork",
+                "--mount-proc",
+                sys.executable,
+                str(reaper),
+                str(script),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    _wait_for_veth_peer(node)
+
+
+def _link(nodes: list[Node]) -> None:
+    """A veth pair between the two nodes' network namespaces."""
+    a, b = nodes
+    subprocess.run(
+        [
+            "ip",
+            "link",
+            "add",
+            "rt-veth0",
+            "netns",
+            str(a.init_pid),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "rt-veth1",
+            "netns",
+            str(b.init_pid),
+        ],
+        check=True,
+    )
+    for node, dev in ((a, "rt-veth0"), (b, "rt-veth1")):
+        enter = ["nsenter", "-t", str(node.init_pid), "--net"]
+        subprocess.run([*enter, "ip", "addr", "add", f"{node.address}/24", "dev", dev], check=True)
+        subprocess.run([*enter, "ip", "link", "set", dev, "up"], check=True)
+
+
+def start_cluster(
+    num_nodes: int = 1,
+    cpus: int = 2,
+    venv_bin: Path | None = None,
+    ports: dict[str, int] | None = None,
+) -> SlurmCluster:
+    """Start munge + slurmctld + ``num_nodes`` slurmd; returns once every node is idle."""
+    root = Path(tempfile.mkdtemp(prefix="rt-slurm-", dir="/tmp"))
+    for sub in ("munge", "state", "spool", "log", "home"):
+        (root / sub).mkdir()
+    os.chmod(root / "munge", 0o755)  # munged wants its socket reachable by every user
+    nodes = [Node(f"node{i + 1}", f"{SUBNET}.{i + 1}") for i in range(num_nodes)]
+    # Inside fresh network namespaces every port is free; fixed numbers are fine.
+    ports = ports or {"ctld": 16817, "slurmd": 16818, "srun": 16900}
+    (root / "slurm.conf").write_text(_slurm_conf(root, nodes, cpus, ports))
+    hosts = ["127.0.0.1 localhost", *(f"{n.address} {n.name}" for n in nodes)]
+    (root / "hosts").write_text("\n".join(hosts) + "\n")
+    for node in nodes:
+        (root / "spool" / node.name).mkdir()
+    bin_dir = str(venv_bin or Path(sys.executable).parent)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RAY_", "SLURM_")) and k != "PYTHONPATH"
+    }
+    env.update(
+        SLURM_CONF=str(root / "slurm.conf"),
+        HOME=str(root / "home"),
+        PATH=f"{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin",
+    )
+    cluster = SlurmCluster(root=root, nodes=nodes, cpus=cpus, env=env)
+    try:
+        for i, node in enumerate(nodes):
+            _start_node(root, node, _node_script(root, node, i == 0, num_nodes == 1), env)
+        if num_nodes == 2:
+            _link(nodes)
+        _wait_idle(cluster)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _wait_idle(cluster: SlurmCluster, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = cluster.run(["sinfo", "-h", "-o", "%t %D"], timeout=20).stdout.split()
+        if out and out[0] == "idle" and int(out[1]) == len(cluster.nodes):
+            return
+        time.sleep(0.5)
+    logs = "\n".join(p.read_text()[-2000:] for p in (cluster.root / "log").glob("*"))
+    raise RuntimeError(f"SLURM nodes never became idle:\n{logs}")

@@ -1,0 +1,105 @@
+"""The SLURM script on a real private SLURM cluster (1 and 2 nodes in namespaces)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from slurm_cluster import SlurmCluster, missing_requirements, start_cluster
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements())),
+]
+
+SCRIPT = Path(__file__).resolve().parents[2] / "cluster" / "slurm" / "raytrain.sbatch"
+
+
+def tiny_config(cluster: SlurmCluster, name: str, workers: int) -> Path:
+    path = cluster.root / f"{name}.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "experiment": {"name": name, "output_dir": str(cluster.root / "runs")},
+                "data": {"params": {"num_turbines": 2, "num_hours": 1200, "stride": 4}},
+                "train": {"epochs": 1},
+                "scaling": {"num_workers": workers},
+            }
+        )
+    )
+    return path
+
+
+def summary(cluster: SlurmCluster, name: str) -> dict:
+    return json.loads((cluster.root / "runs" / name / "summary.json").read_text())
+
+
+def job_log(cluster: SlurmCluster, job_id: str) -> str:
+    return (cluster.root / f"raytrain-{job_id}.out").read_text()
+
+
+@pytest.fixture(scope="module")
+def one_node():
+    cluster = start_cluster(num_nodes=1, cpus=2)
+    yield cluster
+    cluster.stop()
+
+
+def test_one_node_job_trains_and_completes(one_node):
+    config = tiny_config(one_node, "single", workers=2)
+    job_id, code = one_node.sbatch_wait(["--cpus-per-task=2", str(SCRIPT), "--config", str(config)])
+    log = job_log(one_node, job_id)
+    assert code == 0, log
+    assert one_node.job_state(job_id) == "COMPLETED"
+    assert summary(one_node, "single")["world_size"] == 2
+    assert "effective" in log.split("Running command on head node")[1]  # the plan, printed
+    assert "RAY_AUTH_TOKEN" not in log and "token" not in log.lower().replace("token auth", "")
+
+
+def test_a_failing_training_fails_the_job(one_node):
+    config = tiny_config(one_node, "broken", workers=2)
+    job_id, code = one_node.sbatch_wait(
+        ["--cpus-per-task=2", str(SCRIPT), "--config", str(config), "--set", "train.lrr=1"]
+    )
+    assert code != 0
+    assert one_node.job_state(job_id) == "FAILED"
+    assert "unknown config key 'train.lrr'" in job_log(one_node, job_id)
+
+
+def test_two_jobs_on_one_node_do_not_collide(one_node):
+    ids = []
+    for name in ("left", "right"):
+        config = tiny_config(one_node, name, workers=1)
+        result = one_node.run(
+            ["sbatch", "--parsable", "--cpus-per-task=1", str(SCRIPT), "--config", str(config)],
+            check=True,
+        )
+        ids.append(result.stdout.strip())
+    deadline = time.monotonic() + 300
+    while any(one_node.job_state(i) in ("PENDING", "RUNNING", "COMPLETING") for i in ids):
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    for job_id, name in zip(ids, ("left", "right"), strict=True):
+        assert one_node.job_state(job_id) == "COMPLETED", job_log(one_node, job_id)
+        assert summary(one_node, name)["world_size"] == 1
+    # Ray's ports came from the job ids, so the two jobs used different ones.
+    heads = {re.search(r"head node1 \((\S+)\)", job_log(one_node, i)).group(1) for i in ids}
+    assert len(heads) == 2, heads
+
+
+def test_two_nodes_put_one_worker_on_each():
+    cluster = start_cluster(num_nodes=2, cpus=1)
+    try:
+        config = tiny_config(cluster, "spread", workers=2)
+        job_id, code = cluster.sbatch_wait(["--nodes=2", str(SCRIPT), "--config", str(config)])
+        assert code == 0, job_log(cluster, job_id)
+        assert cluster.job_state(job_id) == "COMPLETED"
+        result = summary(cluster, "spread")
+        assert result["world_size"] == 2
+        assert sorted(result["worker_nodes"]) == ["10.77.0.1", "10.77.0.2"]
+    finally:
+        cluster.stop()
