@@ -20,7 +20,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, Settings, machine_name, usable_cpus, wait_until_quiet
+from benchmarks.common import (
+    QUIET_PERCENT,
+    REPO_ROOT,
+    Settings,
+    machine_name,
+    usable_cpus,
+    wait_until_quiet,
+)
 from benchmarks.context import Context
 from benchmarks.ray_setup import private_home
 from benchmarks.report import markdown_table
@@ -84,10 +91,6 @@ def environment() -> dict[str, Any]:
         "ray": ray.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
-
-
-# Busy share of all CPUs (by anyone) above which a benchmark waits to start.
-QUIET_PERCENT = 25.0
 
 
 def run_one(name: str, ctx: Context, max_wait_s: float) -> dict[str, Any]:

@@ -103,3 +103,21 @@ def test_two_nodes_put_one_worker_on_each():
         assert sorted(result["worker_nodes"]) == ["10.77.0.1", "10.77.0.2"]
     finally:
         cluster.stop()
+
+
+def test_the_same_script_runs_a_sweep(one_node):
+    config = tiny_config(one_node, "sweep", workers=1)
+    data = yaml.safe_load(config.read_text())
+    data["tune"] = {
+        "scheduler": "fifo",
+        "num_samples": 1,
+        "param_space": {"train.lr": {"grid": [1e-3, 2e-3]}},
+    }
+    config.write_text(yaml.safe_dump(data))
+    job_id, code = one_node.sbatch_wait(
+        ["--cpus-per-task=2", str(SCRIPT), "tune", "--config", str(config)]
+    )
+    assert code == 0, job_log(one_node, job_id)
+    run_dir = one_node.root / "runs" / "sweep"
+    assert len((run_dir / "trials.csv").read_text().splitlines()) == 3
+    assert (run_dir / "best_config.yaml").is_file()
