@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -53,6 +56,8 @@ def median(values: Sequence[float]) -> float:
 # repeated (the machine is shared: someone else's tests would distort the timing).
 DISTURBED_PERCENT = 15.0
 MAX_ATTEMPTS = 3
+# Labels of the runs that were repeated because of other work (recorded in the results).
+REPEATED_RUNS: list[str] = []
 
 
 def interleave(
@@ -78,10 +83,11 @@ def interleave(
 def measure_undisturbed(run: Callable[[], Any], label: str) -> Any:
     """``run()``, repeated while other work took more than ``DISTURBED_PERCENT`` of the CPUs."""
     for attempt in range(1, MAX_ATTEMPTS + 1):
-        before = CpuAccount.sample()
+        watch = CpuWatch.get()
+        before = watch.mark()
         start = time.perf_counter()
         value = run()
-        foreign = CpuAccount.sample().foreign_percent_since(before)
+        foreign = foreign_percent(before, watch.mark())
         logger.info(
             "  %s: %s (%.1f s, other work %.0f %% CPU)",
             label,
@@ -95,6 +101,7 @@ def measure_undisturbed(run: Callable[[], Any], label: str) -> Any:
             break
         if attempt < MAX_ATTEMPTS:
             logger.warning("  %s was disturbed by other work; waiting, then repeating it", label)
+            REPEATED_RUNS.append(f"{label} ({foreign:.0f} % CPU by other work)")
             wait_until_quiet(QUIET_PERCENT, 600)
     return value
 
@@ -158,106 +165,78 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-# Busy share of all CPUs (by anyone) above which the suite waits before measuring.
-QUIET_PERCENT = 25.0
-# Processes of this suite that are not its descendants (a daemonised ``ray start`` head)
-# are recognised by one of these strings (their temp dir) in their command line.
-OWN_MARKERS: set[str] = set()
+# Share of all CPUs used by other work above which the suite waits before measuring.
+QUIET_PERCENT = DISTURBED_PERCENT
 
 
-def _proc_stat(pid: str) -> tuple[int, int] | None:
-    """(parent pid, utime + stime + cutime + cstime in clock ticks) of a process."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            text = handle.read()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2 :].split()
-    return int(fields[1]), sum(int(v) for v in fields[11:15])
+class CpuWatch:
+    """Client of the ``cpu_watch`` helper process: this suite's CPU use vs other work."""
 
+    _instance: CpuWatch | None = None
 
-def _cmdline_has_marker(pid: int) -> bool:
-    if not OWN_MARKERS:
-        return False
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            cmdline = handle.read()
-    except OSError:
-        return False
-    return any(marker.encode() in cmdline for marker in OWN_MARKERS)
-
-
-@dataclass
-class CpuAccount:
-    """CPU time used by the whole machine and by this suite's process tree, at one moment.
-
-    The suite's tree is this process, its descendants (Ray processes, torchrun, raytrain
-    subprocesses) and processes naming an ``OWN_MARKERS`` temp dir, with their reaped
-    children's time; what the machine used beyond it is other people's work.
-    """
-
-    machine_busy: int
-    machine_total: int
-    own: int
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.cpu_watch", str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
 
     @classmethod
-    def sample(cls) -> CpuAccount:
-        with open("/proc/stat") as handle:
-            values = [int(v) for v in handle.readline().split()[1:]]
-        busy = sum(values) - values[3] - values[4]  # minus idle and iowait
-        stats = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                found = _proc_stat(entry)
-                if found:
-                    stats[int(entry)] = found
-        children: dict[int, list[int]] = {}
-        for pid, (ppid, _) in stats.items():
-            children.setdefault(ppid, []).append(pid)
-        roots = [os.getpid(), *(pid for pid in stats if _cmdline_has_marker(pid))]
-        seen: set[int] = set()
-        stack = list(roots)
-        while stack:
-            pid = stack.pop()
-            if pid in seen or pid not in stats:
-                continue
-            seen.add(pid)
-            stack.extend(children.get(pid, []))
-        own = sum(stats[pid][1] for pid in seen)
-        return cls(machine_busy=busy, machine_total=sum(values), own=own)
+    def get(cls) -> CpuWatch:
+        if cls._instance is None or cls._instance.process.poll() is not None:
+            cls._instance = cls()
+        return cls._instance
 
-    def foreign_percent_since(self, before: CpuAccount) -> float:
-        """Share of all CPUs that other work used between ``before`` and now."""
-        total = max(self.machine_total - before.machine_total, 1)
-        foreign = (self.machine_busy - before.machine_busy) - (self.own - before.own)
-        return max(0.0, 100.0 * foreign / total)
+    def _send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def mark(self) -> dict[str, int]:
+        """Cumulative clock ticks: ``own`` (this suite), ``foreign``, ``total`` (all CPUs)."""
+        self._send("mark")
+        assert self.process.stdout is not None
+        return json.loads(self.process.stdout.readline())
+
+    def add_marker(self, text: str) -> None:
+        """Count processes whose command line contains ``text`` as the suite's own."""
+        self._send(f"marker {text}")
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls._instance is not None:
+            cls._instance.process.kill()
+            cls._instance.process.wait()
+            cls._instance = None
 
 
-def cpu_busy_percent(seconds: float = 2.0) -> float:
-    """Share of all CPUs busy over ``seconds`` (from /proc/stat), whoever uses them."""
+def foreign_percent(before: dict[str, int], after: dict[str, int]) -> float:
+    """Share of all CPUs that other people's work used between two ``CpuWatch.mark``s."""
+    total = max(after["total"] - before["total"], 1)
+    return 100.0 * (after["foreign"] - before["foreign"]) / total
 
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as handle:
-            values = [int(v) for v in handle.readline().split()[1:]]
-        idle = values[3] + values[4]  # idle + iowait
-        return sum(values) - idle, sum(values)
 
-    busy0, total0 = sample()
+def foreign_busy_percent(seconds: float = 2.0) -> float:
+    """Share of all CPUs that other people's work used over the next ``seconds``."""
+    watch = CpuWatch.get()
+    before = watch.mark()
     time.sleep(seconds)
-    busy1, total1 = sample()
-    return 100.0 * (busy1 - busy0) / max(total1 - total0, 1)
+    return foreign_percent(before, watch.mark())
 
 
 def wait_until_quiet(threshold_percent: float, max_wait_s: float) -> float:
-    """Wait (up to ``max_wait_s``) until the machine is mostly idle; the last busy %.
+    """Wait (up to ``max_wait_s``) until other work leaves the CPUs mostly idle; the last
+    share of the CPUs it used.
 
     Other people's jobs on a 2-core machine would distort every timing here, so each
     benchmark starts only once the CPUs are quiet; what was seen is recorded.
     """
     deadline = time.monotonic() + max_wait_s
-    busy = cpu_busy_percent()
+    busy = foreign_busy_percent()
     while busy > threshold_percent and time.monotonic() < deadline:
         logger.warning("machine busy (%.0f %% CPU by other work); waiting to start", busy)
         time.sleep(10)
-        busy = cpu_busy_percent()
+        busy = foreign_busy_percent()
     return busy

@@ -28,4 +28,5 @@ def run(ctx: Context) -> dict[str, Any]:
             f"batch {GLOBAL_BATCH} = 2 x {GLOBAL_BATCH // 2}, 1 intra-op thread per process"
         ),
         runs=runs,
+        runs_note=training_rounds.shared_note(ctx),
     )

@@ -143,7 +143,7 @@ _RAY_TRAIN_MILESTONES = {
 def ray_train_log_events(ray_tmp: Path) -> dict[str, Any]:
     """Milestones from Ray Train's structured logs, and the Ray actors the run started."""
     events: dict[str, float] = {}
-    for log in ray_tmp.glob("ray/session_*/logs/train/*.log"):
+    for log in ray_tmp.glob("ray/session_latest/logs/train/*.log"):
         for line in log.read_text(errors="replace").splitlines():
             try:
                 record = json.loads(line)
@@ -154,7 +154,7 @@ def ray_train_log_events(ray_tmp: Path) -> dict[str, Any]:
                     t = record["timestamp_ns"] / 1e9
                     events[event] = min(events.get(event, t), t)
     actors = []
-    for out in ray_tmp.glob("ray/session_*/logs/worker-*.out"):
+    for out in ray_tmp.glob("ray/session_latest/logs/worker-*.out"):
         for line in out.read_text(errors="replace").splitlines()[:3]:
             if line.startswith(":actor_name:"):
                 actors.append(line.removeprefix(":actor_name:"))

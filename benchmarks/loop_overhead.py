@@ -31,4 +31,5 @@ def run(ctx: Context) -> dict[str, Any]:
             f"micro-batch {GLOBAL_BATCH}, fp32, 1 intra-op thread"
         ),
         runs=runs,
+        runs_note=training_rounds.shared_note(ctx),
     )

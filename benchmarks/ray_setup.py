@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import OWN_MARKERS, REPO_ROOT
+from benchmarks.common import REPO_ROOT, CpuWatch
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def start_head(root: Path, num_cpus: int) -> RayHead:
         free_ports(8)
     )
     temp_dir = short_temp_dir()
-    OWN_MARKERS.add(temp_dir)  # its daemonised processes count as the suite's own CPU use
+    CpuWatch.get().add_marker(temp_dir)  # its daemonised processes are the suite's own
     token = secrets.token_hex(16)
     head = RayHead(f"127.0.0.1:{gcs}", token, temp_dir, root / "home")
     env = subprocess_env(head.home / "head", RAY_AUTH_TOKEN=token, RAY_AUTH_MODE="token")

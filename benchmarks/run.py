@@ -13,6 +13,7 @@ import json
 import logging
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -22,7 +23,9 @@ from typing import Any
 
 from benchmarks.common import (
     QUIET_PERCENT,
+    REPEATED_RUNS,
     REPO_ROOT,
+    CpuWatch,
     Settings,
     machine_name,
     usable_cpus,
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
+    # A plain kill still stops this suite's Ray and removes its scratch space.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     names = args.only or list(BENCHMARKS)
     work_dir = Path(tempfile.mkdtemp(prefix="raytrain-bench-"))
     settings = Settings(repeats=args.repeats, quick=args.quick, work_dir=work_dir)
@@ -142,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = run_one(name, ctx, args.max_wait)
         finally:
             ctx.local_ray.shutdown()
+            CpuWatch.stop()
             if not args.keep_work_dir:
                 shutil.rmtree(work_dir, ignore_errors=True)
     meta["total_runtime_s"] = round(time.perf_counter() - start, 1)
+    meta["runs_repeated_for_other_work"] = list(REPEATED_RUNS)
     path = write_results(results, meta, args.results_dir)
     print(markdown_table(results, meta))
     logger.info("results in %s (and .md); total %.0f s", path, meta["total_runtime_s"])

@@ -44,5 +44,6 @@ def run(ctx: Context) -> dict[str, Any]:
         "goal": None,
         "goal_met": None,
         "curve": curve,
+        "runs_note": training_rounds.shared_note(ctx),
         "raw": {name: [r["samples_per_s"] for r in runs[name]] for name in runs},
     }

@@ -158,3 +158,9 @@ def results(ctx: Context, benchmark: str) -> dict[str, list[dict[str, Any]]]:
         )
         ctx.training_results = interleave(chosen, ctx.settings.repeats)
     return {k: ctx.training_results[k] for k in needed(benchmark)}
+
+
+def shared_note(ctx: Context) -> str:
+    """How the runs were shared, for the records of the benchmarks that use them."""
+    users = [b for b in ctx.selected if needed(b)]
+    return f"training rounds shared by {', '.join(users)} (timed under the first of them)"
