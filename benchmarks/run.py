@@ -2,6 +2,7 @@
 
 Writes ``benchmarks/results/<machine>-<date>.json`` (one key per benchmark: its ratio or
 figure, the goal and the raw timings) and a markdown table next to it, and prints the table.
+A run with ``--only`` adds the benchmark names to the file name.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def run_one(name: str, ctx: Context, max_wait_s: float) -> dict[str, Any]:
 def write_results(results: dict[str, Any], meta: dict[str, Any], directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"{meta['machine']}-{datetime.date.today().isoformat()}"
+    if meta["benchmarks"] != list(BENCHMARKS):  # a partial run never replaces the full one
+        stem += "-" + "+".join(meta["benchmarks"])
     json_path = directory / f"{stem}.json"
     json_path.write_text(json.dumps({"meta": meta, **results}, indent=2, default=str) + "\n")
     (directory / f"{stem}.md").write_text(markdown_table(results, meta) + "\n")
