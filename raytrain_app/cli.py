@@ -11,12 +11,20 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from raytrain_app.config import load_config
 from raytrain_app.errors import BadInputError, RunFailedError
 from raytrain_app.logging_setup import setup_logging
 
 logger = logging.getLogger("raytrain_app.cli")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors: no usage block, a pointer to --help instead."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}; see '{self.prog} --help'\n")
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +47,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="raytrain", description="Data-parallel PyTorch training on Ray, laptop to SLURM."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
@@ -164,8 +172,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from raytrain_app.driver import train
+    from raytrain_app.workloads import check_sources
 
     cfg = load_config(args.config, args.overrides)
+    check_sources(cfg.model, cfg.data)  # a wrong target or data path fails before Ray starts
     result = train(cfg, address=args.address, progress=not args.no_progress)
     s = result.summary
     final = s["final_metrics"]
@@ -186,8 +196,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from raytrain_app.config import BUILTIN_SWEEP
     from raytrain_app.tuning import tune_sweep
+    from raytrain_app.workloads import check_sources
 
     cfg = load_config(args.config, args.overrides, builtin=BUILTIN_SWEEP)
+    check_sources(cfg.model, cfg.data)
     result = tune_sweep(cfg, address=args.address)
     metric = cfg.tune.metric
     print(result.trials.drop(columns=["error"]).to_string(index=False, float_format="%.4g"))

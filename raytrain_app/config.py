@@ -115,11 +115,17 @@ def _parse_yaml(text: str, label: str) -> dict[str, Any]:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or exc.context or "syntax error"
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{label} is not valid YAML: {problem}{at}") from None
+        # a tab is the commonest slip, and PyYAML's wording for it does not say so
+        fix = "indent with spaces, not tabs" if "'\\t'" in problem else "fix the YAML syntax there"
+        raise ConfigError(f"{label} is not valid YAML: {problem}{at}; {fix}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{label} is not valid YAML: {exc}") from None
+        raise ConfigError(f"{label} is not valid YAML: {exc}; fix its YAML syntax") from None
     if data is None:
-        return {}
+        # most likely the wrong file, or one whose write was cut short
+        raise ConfigError(
+            f"{label} is empty; give it at least one config section (see raytrain_app/configs/"
+            f"{BUILTIN_CONFIG}), or leave out --config to run the built-in quickstart"
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             f"{label} must contain a mapping of config sections ({', '.join(_SECTIONS)}) "
@@ -233,9 +239,10 @@ def _override_owner(parts: list[str], flag: str) -> type[BaseModel] | None:
             return model
         if _is_free_form(field):
             return None
+        owner_key = ".".join(parts[: i + 1])
         raise ConfigError(
-            f"cannot set '{'.'.join(parts)}' with {flag}: '{'.'.join(parts[: i + 1])}' "
-            "is a single value, not a section"
+            f"cannot set '{'.'.join(parts)}' with {flag}: '{owner_key}' is a single value, "
+            f"not a section; set it as --set {owner_key}=VALUE"
         )
     return None  # the key names a whole section
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from raytrain_app.environment import enable_client_token_auth, job_server_address
 from raytrain_app.errors import BadInputError
+from raytrain_app.reachability import check_reachable
 
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 SUBMITTABLE = ("train", "tune")
@@ -40,6 +41,14 @@ def _client(address: str | None) -> Any:
             "no Ray cluster to submit to; pass --address http://HEAD:8265 or set "
             "RAY_API_SERVER_ADDRESS"
         )
+    # Ray's client retries a dead address for a long time and then fails in many lines.
+    check_reachable(
+        resolved,
+        source="--address" if address else "RAY_API_SERVER_ADDRESS/RAY_ADDRESS",
+        what="a Ray job server",
+        hint="start the cluster or pass its dashboard address, e.g. --address http://HEAD:8265",
+        default_scheme="http",
+    )
     # Before importing Ray's client: it reads the auth mode once.
     has_token = enable_client_token_auth()
     from ray.exceptions import AuthenticationError
@@ -85,7 +94,10 @@ def _relative_config(command: list[str], working_dir: Path) -> list[str]:
         if arg in ("--config", "-c"):
             path = Path(rewritten[i + 1]).expanduser().resolve()
             if not path.is_file():
-                raise BadInputError(f"--config '{rewritten[i + 1]}' does not exist")
+                raise BadInputError(
+                    f"--config '{rewritten[i + 1]}' does not exist; pass an existing YAML file "
+                    f"inside the working directory sent with the job"
+                )
             try:
                 rewritten[i + 1] = str(path.relative_to(working_dir))
             except ValueError:
@@ -122,7 +134,10 @@ def submit(
         )
     root = Path(working_dir).expanduser().resolve()
     if not root.is_dir():
-        raise BadInputError(f"--working-dir '{working_dir}' is not a directory")
+        raise BadInputError(
+            f"--working-dir '{working_dir}' is not a directory; pass the directory to send "
+            f"with the job (default: the current one)"
+        )
     command = _relative_config(command, root)
     client = _client(address)
     job_id = client.submit_job(

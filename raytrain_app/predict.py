@@ -43,6 +43,11 @@ def predict(
     Writes a Parquet table with one row per sample: ``pred_<k>`` and ``true_<k>`` for each
     horizon step ``k``, in the data's original units. Returns the output path.
     """
+    if input_path is not None and Path(input_path).resolve() == Path(output_path).resolve():
+        raise BadInputError(
+            f"--output '{output_path}' is the --input file and would overwrite it; write the "
+            f"predictions to another file"
+        )
     spec, meta = load_model_spec(checkpoint)
     ref = _input_data(meta, input_path)
     # Inputs are standardised with the training statistics, never the new file's own.

@@ -80,6 +80,35 @@ def _check_params(params: dict, allowed: tuple[str, ...], section: str) -> None:
         )
 
 
+def check_sources(model: ModelConfig, data: DataConfig) -> None:
+    """Check that the model and data sections name something usable, without building either.
+
+    Imports the factories and reads only the footers of Parquet files, so the driver can run it
+    before Ray starts: a wrong target or path fails in a second. Building the data and the
+    model (the driver's preflight) checks the rest.
+    """
+    from raytrain_app.data import parquet_windows
+
+    ref = model_factory(model)
+    import_target(ref.target, ref.config_key)
+    if data.target:
+        import_target(data.target, "data.target")
+    elif data.path:
+        _check_params(data.params, parquet_windows.WINDOW_PARAMS, "data")
+        parquet_windows.check({"path": str(Path(data.path).expanduser()), **data.params})
+    else:
+        _check_builtin_data(data)
+
+
+def _check_builtin_data(data: DataConfig) -> None:
+    """The built-in dataset exists and takes every key of ``data.params``."""
+    from raytrain_app.data import synthetic_wind
+
+    _builtin(data.name, BUILTIN_DATA, "data.name")
+    allowed = synthetic_wind.GENERATOR_PARAMS + _SYNTHETIC_WINDOW_PARAMS
+    _check_params(data.params, allowed, "data")
+
+
 def prepare_data(data: DataConfig, data_dir: Path, seed: int) -> FactoryRef:
     """Do the driver-side data work once and return what workers call to load the data.
 
@@ -95,9 +124,7 @@ def prepare_data(data: DataConfig, data_dir: Path, seed: int) -> FactoryRef:
         # Workers may run in another directory: hand them the driver's absolute path.
         path = str(Path(data.path).expanduser().absolute())
         return FactoryRef(_PARQUET_FACTORY, {"path": path, **data.params}, "data.path")
-    _builtin(data.name, BUILTIN_DATA, "data.name")
-    allowed = synthetic_wind.GENERATOR_PARAMS + _SYNTHETIC_WINDOW_PARAMS
-    _check_params(data.params, allowed, "data")
+    _check_builtin_data(data)
     generator = {k: v for k, v in data.params.items() if k in synthetic_wind.GENERATOR_PARAMS}
     windows = {k: v for k, v in data.params.items() if k not in generator}
     path = synthetic_wind.materialize(data_dir, seed=seed, **{**_generator_defaults(), **generator})

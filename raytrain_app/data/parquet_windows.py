@@ -8,6 +8,7 @@ are for training, the rest for validation, and no window crosses that boundary.
 from __future__ import annotations
 
 import glob
+import inspect
 import itertools
 import logging
 import numbers
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
@@ -98,17 +100,70 @@ def resolve_paths(path: PathLike | Sequence[PathLike]) -> list[Path]:
     return files
 
 
-def _read_table(files: list[Path], columns: list[str]) -> pa.Table:
-    """Read only ``columns`` from ``files``, naming any that are missing."""
-    dataset = pads.dataset([str(f) for f in files], format="parquet")
-    available = dataset.schema.names
-    missing = [c for c in columns if c not in available]
-    if missing:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _file_schema(file: Path) -> pa.Schema:
+    """The schema in a Parquet file's footer; a missing or torn footer names the file."""
+    try:
+        return pq.read_schema(file)
+    except PermissionError:
         raise BadInputError(
-            f"Column(s) {missing} not found in {files[0]}"
-            f"{' and the other files' if len(files) > 1 else ''}; available columns: {available}."
-        )
-    return dataset.to_table(columns=columns)
+            f"Data file '{file}' cannot be read (permission denied); make it readable "
+            "(chmod +r) or point data.path elsewhere."
+        ) from None
+    except (pa.ArrowException, OSError) as exc:
+        raise BadInputError(
+            f"Data file '{file}' is not a readable Parquet file ({_first_line(exc)}); it may be "
+            "truncated or in another format: write it again as Parquet or leave it out of "
+            "data.path."
+        ) from None
+
+
+def check_files(
+    path: PathLike | Sequence[PathLike], numeric: Sequence[str], other: Sequence[str] = ()
+) -> list[Path]:
+    """Resolve ``path`` and check every file's footer, columns and column types; read no rows.
+
+    Args:
+        path: as for :func:`build_windows`.
+        numeric: columns that must be numeric (the features, then the target).
+        other: further columns that must exist (group and time columns).
+
+    Returns:
+        The resolved Parquet files.
+    """
+    files = resolve_paths(path)
+    for file in files:
+        schema = _file_schema(file)
+        missing = [c for c in dict.fromkeys([*numeric, *other]) if c not in schema.names]
+        if missing:
+            raise BadInputError(
+                f"Column(s) {missing} not found in data file '{file}'; available columns: "
+                f"{schema.names}; fix the column names in data.params or the file."
+            )
+        for name in numeric:
+            column_type = schema.field(name).type
+            if not (pa.types.is_integer(column_type) or pa.types.is_floating(column_type)):
+                raise BadInputError(
+                    f"Column {name!r} of data file '{file}' has type {column_type}; it must be "
+                    "numeric: convert it in the file or leave it out of data.params."
+                )
+    return files
+
+
+def _read_table(files: list[Path], columns: list[str]) -> pa.Table:
+    """Read only ``columns`` from ``files`` (already checked by ``check_files``)."""
+    try:
+        return pads.dataset([str(f) for f in files], format="parquet").to_table(columns=columns)
+    except (pa.ArrowException, OSError) as exc:
+        # a footer can be intact while a page inside the file is not
+        raise BadInputError(
+            f"The Parquet data in data.path cannot be read ({_first_line(exc)}); write the "
+            "damaged file again or leave it out of data.path."
+        ) from None
 
 
 def _column_as_float(table: pa.Table, name: str) -> np.ndarray:
@@ -165,6 +220,17 @@ def _validate(context_length: int, horizon: int, val_fraction: float, stride: in
         raise BadInputError(
             f"data.params.val_fraction must be strictly between 0 and 1, got {val_fraction!r}."
         )
+
+
+def _column_lists(
+    feature_columns: Sequence[str], group_column: str | None, time_column: str | None
+) -> tuple[list[str], list[str]]:
+    """The feature columns as a list, and the sort keys (group, then time) that are set."""
+    if isinstance(feature_columns, str):
+        raise BadInputError(
+            f"data.params.feature_columns must be a list of column names, got {feature_columns!r}."
+        )
+    return list(feature_columns), [c for c in (group_column, time_column) if c is not None]
 
 
 def _stats(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -252,15 +318,9 @@ def build_windows(
         ``DataSplits`` whose ``info`` holds sizes, column names and normalisation statistics.
     """
     _validate(context_length, horizon, val_fraction, stride)
-    if isinstance(feature_columns, str):
-        raise BadInputError(
-            f"data.params.feature_columns must be a list of column names, got {feature_columns!r}."
-        )
-    feature_columns = list(feature_columns)
-    keys = [c for c in (group_column, time_column) if c is not None]
-    table = _read_table(
-        resolve_paths(path), [*dict.fromkeys([*feature_columns, target_column, *keys])]
-    )
+    feature_columns, keys = _column_lists(feature_columns, group_column, time_column)
+    files = check_files(path, [*feature_columns, target_column], keys)
+    table = _read_table(files, [*dict.fromkeys([*feature_columns, target_column, *keys])])
     if keys:
         table = table.sort_by([(k, "ascending") for k in keys])
 
@@ -331,12 +391,8 @@ def _make_dataset(
     )
 
 
-def build(params: Mapping[str, Any], seed: int) -> DataSplits:
-    """Protocol data factory for Parquet files: ``params`` holds ``path`` plus ``WINDOW_PARAMS``.
-
-    ``seed`` is unused: windows are a deterministic function of the files and params.
-    """
-    del seed
+def _build_arguments(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``build_windows``'s arguments from the factory's ``params``, defaults filled in."""
     allowed = ("path", "stats", *WINDOW_PARAMS)
     unknown = sorted(set(params) - set(allowed))
     if unknown:
@@ -345,8 +401,36 @@ def build(params: Mapping[str, Any], seed: int) -> DataSplits:
         )
     if params.get("path") is None:
         raise BadInputError("Parquet data needs a path (data.path): a file, a directory or a glob.")
-    for key in ("feature_columns", "target_column"):
+    for key, what in (
+        ("feature_columns", "a list of the numeric input columns"),
+        ("target_column", "the numeric column to forecast"),
+    ):
         if params.get(key) is None:
-            raise BadInputError(f"data.params.{key} is required for Parquet data.")
-    kwargs = {k: v for k, v in params.items() if k != "path"}
-    return build_windows(params["path"], **kwargs)
+            raise BadInputError(
+                f"data.params.{key} is required for Parquet data; set it to {what}."
+            )
+    bound = inspect.signature(build_windows).bind(**params)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def build(params: Mapping[str, Any], seed: int) -> DataSplits:
+    """Protocol data factory for Parquet files: ``params`` holds ``path`` plus ``WINDOW_PARAMS``.
+
+    ``seed`` is unused: windows are a deterministic function of the files and params.
+    """
+    del seed
+    return build_windows(**_build_arguments(params))
+
+
+def check(params: Mapping[str, Any]) -> None:
+    """Check ``params`` and the files as ``build`` would, reading only the files' footers.
+
+    Quick enough for the driver to run before any cluster starts.
+    """
+    args = _build_arguments(params)
+    _validate(args["context_length"], args["horizon"], args["val_fraction"], args["stride"])
+    features, keys = _column_lists(
+        args["feature_columns"], args["group_column"], args["time_column"]
+    )
+    check_files(args["path"], [*features, args["target_column"]], keys)

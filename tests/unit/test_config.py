@@ -77,9 +77,13 @@ def test_quickstart_only_overrides_num_workers_and_window_stride():
     assert diff_configs(cfg, RaytrainConfig()) == ["data.params.stride", "scaling.num_workers"]
 
 
-def test_empty_mapping_and_empty_file_give_defaults(tmp_path):
+def test_empty_mapping_gives_defaults_but_an_empty_file_is_refused(tmp_path):
     assert config_from_dict({}) == RaytrainConfig()
-    assert load_config(write(tmp_path, "")) == RaytrainConfig()
+    assert load_config(write(tmp_path, "{}")) == RaytrainConfig()
+    # an empty file is more likely the wrong file or a cut-short write than a wish for defaults
+    for text in ("", "# only a comment\n"):
+        message = file_error(write(tmp_path, text))
+        assert "is empty" in message and "--config" in message
 
 
 def test_config_from_dict_does_not_mutate_input():

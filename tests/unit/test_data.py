@@ -269,7 +269,7 @@ def test_invalid_window_params(tmp_path, overrides, key):
 
 def test_non_numeric_and_missing_values(tmp_path):
     path = _write_series(tmp_path / "s.parquet", {"a": 20})
-    with pytest.raises(ValueError, match="'site' has type string; it must be numeric"):
+    with pytest.raises(ValueError, match=r"'site' of data file .*s\.parquet' has type string"):
         pw.build_windows(path, **_series_kwargs(feature_columns=["site"]))
     table = pq.read_table(path)
     feat = table.column("feat").to_numpy().copy()
@@ -293,3 +293,35 @@ def test_build_factory_errors(tmp_path):
         pw.build({"path": path, "feature_columns": ["feat"]}, seed=0)
     with pytest.raises(ValueError, match=r"needs a path \(data.path\)"):
         pw.build(_series_kwargs(), seed=0)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_parquet"])
+def test_a_damaged_file_is_named(tmp_path, damage):
+    path = _write_series(tmp_path / "s.parquet", {"a": 20})
+    payload = path.read_bytes()
+    path.write_bytes(payload[: len(payload) // 2] if damage == "truncated" else b"a,b\n1,2\n")
+    with pytest.raises(ValueError, match=r"Data file '.*s\.parquet' is not a readable Parquet"):
+        pw.build_windows(path, **_series_kwargs())
+
+
+def test_check_reads_every_footer_but_no_rows(tmp_path):
+    _write_series(tmp_path / "a.parquet", {"a": 20})
+    params = {"path": str(tmp_path / "*.parquet"), **_series_kwargs()}
+    pw.check(params)  # good files pass
+    table = pq.read_table(tmp_path / "a.parquet").drop_columns(["target"])
+    pq.write_table(table, tmp_path / "b.parquet")  # only the second file lacks a column
+    with pytest.raises(ValueError, match=r"\['target'\] not found in data file '.*b\.parquet'"):
+        pw.check(params)
+    with pytest.raises(ValueError, match="data.params.horizon must be an integer >= 1"):
+        pw.check({**params, "horizon": 0})
+
+
+def test_an_unreadable_file_is_named(tmp_path, monkeypatch):
+    path = _write_series(tmp_path / "s.parquet", {"a": 20})
+
+    def denied(file):  # as pyarrow reports a file without read permission (root reads any)
+        raise PermissionError(13, f"Failed to open local file '{file}'")
+
+    monkeypatch.setattr(pw.pq, "read_schema", denied)
+    with pytest.raises(ValueError, match=r"Data file '.*s\.parquet' cannot be read \(permission"):
+        pw.build_windows(path, **_series_kwargs())

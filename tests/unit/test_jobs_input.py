@@ -54,4 +54,5 @@ def test_a_config_outside_the_working_dir_is_refused(no_cluster, capsys, tmp_pat
 
 def test_unreachable_job_server_names_the_address(no_cluster, capsys):
     assert cli.main(["jobs", "--address", "http://127.0.0.1:1", "list"]) == 2
-    assert "cannot reach a Ray job server at http://127.0.0.1:1" in one_error_line(capsys)
+    line = one_error_line(capsys)
+    assert "--address http://127.0.0.1:1: nothing is listening on 127.0.0.1:1" in line
