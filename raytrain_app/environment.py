@@ -2,7 +2,8 @@
 
 Each launcher kind (SLURM, torchrun, plain) has a detector; ``detect_environment`` runs them
 in priority order and returns one immutable description. Nothing else in raytrain reads
-``SLURM_*``, torchrun variables, ``RAY_ADDRESS`` or probes devices: it asks this module.
+``SLURM_*``, torchrun variables, ``RAY_ADDRESS``, ``RAYTRAIN_DASHBOARD_HOST`` or probes
+devices: it asks this module.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ _RAY_TRAIN_ENV_DEFAULTS = {
     # Without this, every line a worker logs shows up twice on the driver.
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
+
+# The dashboard (and the job server behind it) accepts job submissions: only this machine
+# reaches it unless the user opts in to another interface.
+LOCAL_DASHBOARD_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class Environment:
     slurm: SlurmInfo | None = None
     torchrun: TorchrunInfo | None = None
     extra: Mapping[str, str] = field(default_factory=dict)
+    # Where an embedded Ray's dashboard binds: ``RAYTRAIN_DASHBOARD_HOST``, else localhost.
+    dashboard_host: str = LOCAL_DASHBOARD_HOST
 
     def with_resources(self, resources: Resources, gpu: GpuInfo | None = None) -> Environment:
         """Return a copy with the cluster's resources (and its GPU model, if known)."""
@@ -169,6 +176,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
         gpu=gpu,
         slurm=slurm,
         torchrun=torchrun,
+        dashboard_host=env.get("RAYTRAIN_DASHBOARD_HOST") or LOCAL_DASHBOARD_HOST,
     )
 
 

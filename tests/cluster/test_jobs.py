@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,20 @@ def test_a_train_job_succeeds_and_leaves_its_run_directory(ray_head, project, tm
     summary = json.loads((out / "job" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["epochs_completed"] == 1
 
+    # The token reached the job (the head's environment) but none of what the job wrote.
+    token = ray_head.token.encode()
+    written = [path for path in (out / "job").rglob("*") if path.is_file()]
+    assert {"config.yaml", "summary.json", "metrics.csv", "meta.json"} <= {p.name for p in written}
+    assert [str(path) for path in written if token in path.read_bytes()] == []
+    job_id = submitted_id(result.stdout)
+    logs = raytrain(
+        ["jobs", "--address", ray_head.dashboard_url, "logs", job_id],
+        ray_head.client_env(),
+        project,
+    )
+    assert "val_loss" in logs.stdout
+    assert ray_head.token not in logs.stdout + result.stdout + result.stderr
+
 
 def test_an_invalid_config_fails_the_job_with_its_one_line_error(ray_head, project):
     env = ray_head.client_env()
@@ -128,6 +144,40 @@ def test_without_the_token_the_cluster_refuses_with_a_clear_message(ray_head, pr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "requires token authentication" in lines[0]
     assert "RAY_AUTH_TOKEN" in lines[0]
+
+
+def _api_jobs(head, headers: dict[str, str], body: dict | None = None) -> tuple[int, str]:
+    """A raw request to the head's job API: POST ``body`` if given, else GET."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(
+        f"{head.dashboard_url}/api/jobs/",
+        data=data,
+        headers={"Content-Type": "application/json", **headers},
+        method="POST" if data else "GET",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_the_head_refuses_a_job_submission_without_the_token(ray_head):
+    authorized = {"Authorization": f"Bearer {ray_head.token}"}
+    status, listed = _api_jobs(ray_head, authorized)
+    assert status == 200
+    before = json.loads(listed)
+    job = {"entrypoint": "echo never-run"}
+
+    status, text = _api_jobs(ray_head, {}, job)
+    assert status == 401 and "Missing authentication token" in text
+    status, text = _api_jobs(ray_head, {"Authorization": "Bearer not-the-token"}, job)
+    assert status == 403 and "Invalid authentication token" in text
+
+    status, listed = _api_jobs(ray_head, authorized)
+    after = json.loads(listed)
+    assert len(after) == len(before)
+    assert not any(j.get("entrypoint") == job["entrypoint"] for j in after)
 
 
 def test_an_unknown_job_id_is_a_clear_error(ray_head, project):

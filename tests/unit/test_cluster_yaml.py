@@ -46,6 +46,16 @@ def test_starts_ray_with_token_auth_and_installs_the_project(config):
     assert setup.index("install --quiet torch") < setup.index("-e ~/raytrain_app")
 
 
+def test_the_dashboard_binds_to_localhost_unless_the_user_opts_in(config):
+    (start,) = [c for c in config["head_start_ray_commands"] if "ray start" in c]
+    assert "--dashboard-host=${RAYTRAIN_DASHBOARD_HOST:-127.0.0.1}" in start.split()
+    assert "0.0.0.0" not in start
+    # The token reaches the nodes as a file and is never on a command line.
+    commands = [*config["setup_commands"], *config["head_start_ray_commands"]]
+    commands += config["worker_start_ray_commands"]
+    assert not any("RAY_AUTH_TOKEN=" in c or "ray-token" in c for c in commands)
+
+
 def test_the_validation_catches_a_broken_config(config, schema):
     broken = copy.deepcopy(config)
     broken["provider"].pop("head_ip")

@@ -77,3 +77,10 @@ def test_reads_the_real_process_environment(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "auto")
     env = detect_environment()
     assert env.launcher == "slurm" and env.resources.cpus == 3 and env.ray_address == "auto"
+
+
+def test_dashboard_binds_to_localhost_unless_the_user_opts_in():
+    assert detect_environment({}).dashboard_host == "127.0.0.1"
+    assert detect_environment({"RAYTRAIN_DASHBOARD_HOST": ""}).dashboard_host == "127.0.0.1"
+    opted_in = detect_environment({"RAYTRAIN_DASHBOARD_HOST": "0.0.0.0"})
+    assert opted_in.dashboard_host == "0.0.0.0"

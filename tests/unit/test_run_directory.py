@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from raytrain_app.config import config_from_dict, load_config
+from raytrain_app.environment import detect_environment
 from raytrain_app.errors import BadInputError
+from raytrain_app.plan import make_plan, resolve_config
 from raytrain_app.run_directory import RunDirectory
 
 
@@ -117,3 +119,31 @@ def test_summary_round_trip(tmp_path):
     run.write_summary({"checkpoint": "/x", "world_size": 2})
     assert run.read_summary() == {"checkpoint": "/x", "world_size": 2}
     assert sorted(p.name for p in run.root.iterdir()) == ["summary.json"]
+
+
+SECRETS = {
+    "RAY_AUTH_TOKEN": "ray-token-4f1c9e",
+    "WANDB_API_KEY": "wandb-key-77ab01",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-9d3e5c",
+}
+
+
+def written_config(tmp_path: Path) -> str:
+    """config.yaml as ``train`` writes it: environment → plan → resolved config → disk."""
+    cfg = load_config(overrides=[f"experiment.output_dir={tmp_path / 'runs'}"])
+    resolved = resolve_config(cfg, make_plan(cfg, detect_environment()))
+    run = RunDirectory.for_config(resolved)
+    run.write_config(resolved)
+    return run.config.read_text()
+
+
+def test_the_written_config_holds_no_secrets_from_the_environment(tmp_path, monkeypatch):
+    for name in SECRETS:
+        monkeypatch.delenv(name, raising=False)
+    clean = written_config(tmp_path)
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    with_secrets = written_config(tmp_path)
+    assert with_secrets == clean  # built from the config alone
+    for name, value in SECRETS.items():
+        assert value not in with_secrets and name not in with_secrets
