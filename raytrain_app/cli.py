@@ -1,6 +1,7 @@
 """The ``raytrain`` console script: parse flags, call the API, map errors to exit codes.
 
-Exit codes: 0 success, 2 bad input (config, flag, path), 1 the run failed, 130 interrupted.
+Exit codes: 0 success, 2 bad input (config, flag, path), 1 the run failed, 130 interrupted,
+75 stopped on a preemption signal with a checkpoint (re-run or requeue to resume).
 Errors print as one line; ``--debug`` adds the traceback.
 """
 
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from raytrain_app.config import load_config
-from raytrain_app.errors import BadInputError, RunFailedError
+from raytrain_app.errors import BadInputError, RunFailedError, RunStoppedError
 from raytrain_app.logging_setup import setup_logging
 
 logger = logging.getLogger("raytrain_app.cli")
@@ -281,6 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(logging.DEBUG if args.debug else logging.INFO)
     try:
         return _COMMANDS[args.command](args)
+    except RunStoppedError as exc:  # not a failure: checkpointed, to be resumed or requeued
+        print(str(exc), file=sys.stderr)
+        return exc.exit_code
     except (BadInputError, RunFailedError) as exc:
         if args.debug:
             raise

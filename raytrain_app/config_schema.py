@@ -184,6 +184,16 @@ class TrainConfig(_Section):
     checkpoint_every_epochs: PositiveInt = Field(
         1, description="Save a checkpoint every this many epochs (and always after the last)."
     )
+    checkpoint_every_steps: PositiveInt | None = Field(
+        None,
+        description="Also save a checkpoint every this many optimizer steps, mid-epoch; a "
+        "resume continues at the exact next batch. null: epoch checkpoints only.",
+    )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="When a step's loss is NaN or infinite: stop the run naming the step (no "
+        "checkpoint of it is written), or skip that optimizer step and count it.",
+    )
     keep_checkpoints: PositiveInt | None = Field(
         2, description="Number of newest checkpoints to keep; null keeps all of them."
     )

@@ -8,6 +8,9 @@ bad input fails fast with exit code 2, then runs a ``TorchTrainer`` whose worker
 from __future__ import annotations
 
 import logging
+import re
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,11 +29,12 @@ from raytrain_app.environment import (
     detect_environment,
     ray_cluster_resources,
 )
-from raytrain_app.errors import BadInputError, RunFailedError
+from raytrain_app.errors import BadInputError, RunFailedError, RunStoppedError
 from raytrain_app.loop import WorkerTask, train_worker
 from raytrain_app.metrics_log import read_metrics
 from raytrain_app.plan import TrainingPlan, make_plan, resolve_config, steps_per_epoch
 from raytrain_app.progress import DriverProgress
+from raytrain_app.reachability import check_reachable
 from raytrain_app.run_directory import RunDirectory
 from raytrain_app.workloads import FactoryRef, build_data, build_model, model_factory, prepare_data
 
@@ -59,13 +63,20 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
     started = embedded = False
     if not ray.is_initialized():
         target = address or env.ray_address
+        # Ray would retry an unreachable address for minutes; probe it first
+        check_reachable(target, source="--address" if address else "RAY_ADDRESS")
         try:
             if target:
                 ray.init(address=target, logging_level=logging.WARNING)
             else:
                 # An embedded single-machine cluster sized like the plan assumed. It keeps
                 # the dashboard: Ray Train's placement-group cleanup needs its State API.
-                ray.init(num_cpus=int(env.resources.cpus), logging_level=logging.WARNING)
+                # Its job server runs code, so it binds to localhost unless the user opts in.
+                ray.init(
+                    num_cpus=int(env.resources.cpus),
+                    dashboard_host=env.dashboard_host,
+                    logging_level=logging.WARNING,
+                )
                 embedded = True
         except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
             where = f"the Ray cluster at {target}" if target else "a local Ray"
@@ -133,12 +144,50 @@ def _root_cause(exc: BaseException) -> BaseException:
     return seen
 
 
-def user_facing_error(exc: BaseException) -> Exception:
+# How gloo and NCCL word a collective that waited past the process group's timeout.
+_COLLECTIVE_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def user_facing_error(exc: BaseException, timeout_s: int | None = None) -> Exception:
     """One-line error for a failure raised inside Ray workers, keeping our own error kinds."""
     cause = _root_cause(exc)
     if isinstance(cause, BadInputError | RunFailedError):
         return cause
+    if timeout_s is not None and _COLLECTIVE_TIMEOUT.search(str(cause)):
+        return RunFailedError(
+            f"a collective operation waited longer than distributed.timeout_s={timeout_s} s, "
+            f"so a worker stalled, hung or died; look for the stalled rank in the worker logs, "
+            f"or raise distributed.timeout_s if a step legitimately takes that long"
+        )
     return RunFailedError(f"training failed: {type(cause).__name__}: {cause}".splitlines()[0])
+
+
+@contextmanager
+def stop_on_signals(stop_file: Path) -> Iterator[list[str]]:
+    """SIGUSR1 (SLURM's warning before a time limit or preemption) and SIGTERM ask the
+    workers to checkpoint at the next step and stop; a second signal interrupts at once.
+
+    Yields the names of the signals received. Outside the main thread (a notebook's
+    worker thread) signals cannot be caught and nothing is installed.
+    """
+    received: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def request_stop(signum: int, frame: Any) -> None:
+        received.append(signal.Signals(signum).name)
+        if len(received) > 1:
+            raise KeyboardInterrupt
+        stop_file.touch()  # rank 0 polls for it between steps
+
+    watched = (signal.SIGUSR1, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, request_stop) for sig in watched}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _run_trainer(
@@ -161,7 +210,10 @@ def _run_trainer(
             **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
         },
     )
-    with DriverProgress(enabled=progress) as bar:
+    stop_file = run_dir.stop_request
+    stop_file.unlink(missing_ok=True)  # a request the previous run never got to honour
+    task.stop_file = str(stop_file)
+    with DriverProgress(enabled=progress) as bar, stop_on_signals(stop_file) as received:
         task.progress = bar.tracker
         trainer = TorchTrainer(
             _train_loop_entry,
@@ -170,7 +222,11 @@ def _run_trainer(
             scaling_config=scaling,
             run_config=run_config,
         )
-        return trainer.fit()
+        result = trainer.fit()
+    stop_file.unlink(missing_ok=True)
+    if received:
+        logger.warning("received %s: workers were asked to checkpoint and stop", received[0])
+    return result
 
 
 def _train_loop_entry(config: dict[str, Any]) -> dict[str, Any]:
@@ -183,6 +239,7 @@ def _summary(result: ray.train.Result, plan: TrainingPlan, wall: float) -> dict[
     total_samples = sum(row["samples_per_s"] * row["epoch_time_s"] for row in history)
     train_time = sum(row["epoch_time_s"] for row in history)
     return {
+        "status": "stopped" if returned.get("stopped") else "completed",
         "final_metrics": history[-1] if history else {},
         "epochs_completed": len(history),
         "world_size": plan.world_size,
@@ -233,7 +290,12 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
         try:
             result = _run_trainer(task, resolved, run_dir, progress)
         except ray.train.TrainingFailedError as exc:
-            raise user_facing_error(exc) from exc
+            raise user_facing_error(exc, plan.timeout_s) from exc
     summary = _summary(result, plan, time.perf_counter() - start)
     run_dir.write_summary(summary)
+    if summary["status"] == "stopped":
+        raise RunStoppedError(
+            f"stopped on request after {summary['epochs_completed']} complete epoch(s), with "
+            f"a checkpoint at {summary['checkpoint']}; run the same command again to resume"
+        )
     return TrainResult(run_dir=run_dir.root, summary=summary, metrics=read_metrics(run_dir.root))

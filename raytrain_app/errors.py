@@ -14,3 +14,12 @@ class RunFailedError(RuntimeError):
     """The run itself failed after it started; exit code 1."""
 
     exit_code = 1
+
+
+class RunStoppedError(RunFailedError):
+    """The run stopped early on request (a preemption or time-limit signal) after writing a
+    checkpoint; exit code 75 (EX_TEMPFAIL): "try again", which the SLURM script turns into a
+    requeue. Re-running the same command resumes it.
+    """
+
+    exit_code = 75

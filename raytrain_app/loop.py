@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Subset
 
 from raytrain_app import checkpoint as ckpt
 from raytrain_app.config import RaytrainConfig, config_from_dict
@@ -30,6 +29,7 @@ from raytrain_app.metrics_log import MetricsLog
 from raytrain_app.plan import TrainingPlan, lr_factor, steps_per_epoch
 from raytrain_app.protocol import ModelSpec
 from raytrain_app.rank_zero import is_rank_zero, rank_zero_info, set_rank
+from raytrain_app.sampler import ResumableDistributedSampler
 from raytrain_app.session import RayTrainSession, WorkerSession, scratch_dir
 from raytrain_app.workloads import FactoryRef, build_data, build_model
 
@@ -37,10 +37,30 @@ logger = logging.getLogger(__name__)
 
 # How often rank 0 pushes a progress update to the driver; cheap, fire-and-forget.
 _PROGRESS_INTERVAL_S = 0.5
+# How often rank 0 looks for the driver's stop request (a file); the answer reaches the
+# other ranks through the per-step agreement, so all stop at the same step.
+_STOP_POLL_INTERVAL_S = 0.5
 
 
 class NonFiniteLossError(RunFailedError):
     """The loss became NaN or infinite; the run stops without checkpointing it."""
+
+
+class EpochProgress:
+    """One worker's running sums of the epoch under way: what a mid-epoch resume needs."""
+
+    def __init__(self, device: torch.device, saved: dict[str, Any] | None = None) -> None:
+        saved = saved or {}
+        self.averages = _Averages(device, saved.get("sums", {}))
+        self.elapsed_s: float = saved.get("elapsed_s", 0.0)
+        self.skipped_steps: int = saved.get("skipped_steps", 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sums": self.averages.local_sums(),
+            "elapsed_s": self.elapsed_s,
+            "skipped_steps": self.skipped_steps,
+        }
 
 
 @dataclass
@@ -54,6 +74,7 @@ class WorkerTask:
     run_dir: str
     progress: Any = None  # a ProgressTracker actor handle, or None
     log_level: int = logging.INFO
+    stop_file: str | None = None  # the driver creates it to ask for a checkpoint and a stop
 
 
 @dataclass
@@ -61,8 +82,10 @@ class LoopState:
     """Counters saved in checkpoints."""
 
     epoch: int = 0  # completed epochs
-    step: int = 0  # completed optimizer steps
+    step: int = 0  # optimizer steps taken, skipped non-finite ones included
     history: list[dict[str, float]] = field(default_factory=list)
+    step_in_epoch: int = 0  # steps of the unfinished epoch ``epoch`` already taken
+    skipped_steps: int = 0  # steps skipped for a non-finite loss (train.on_nonfinite=skip)
 
 
 def train_worker(task: WorkerTask) -> dict[str, Any]:
@@ -90,9 +113,15 @@ def _gather(obj: Any, world_size: int) -> list[Any]:
 class _Averages:
     """Sample-weighted sums of loss and metrics; exact global means after one all-reduce."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, sums: dict[str, float] | None = None) -> None:
         self.device = device
-        self.sums: dict[str, torch.Tensor] = {}
+        self.sums: dict[str, torch.Tensor] = {
+            key: torch.tensor(value, dtype=torch.float64, device=device)
+            for key, value in (sums or {}).items()
+        }
+
+    def local_sums(self) -> dict[str, float]:
+        return {key: float(value) for key, value in self.sums.items()}
 
     def add(self, values: dict[str, torch.Tensor], num_samples: int) -> None:
         for key, value in values.items():
@@ -104,10 +133,14 @@ class _Averages:
         count = torch.tensor(float(num_samples), dtype=torch.float64, device=self.device)
         self.sums["_count"] = self.sums.get("_count", torch.zeros_like(count)) + count
 
-    def global_means(self, prefix: str) -> dict[str, float]:
+    def global_means(self, prefix: str, keys: list[str]) -> dict[str, float]:
+        """Means over every worker; ``keys`` are joined as zeros where this rank saw none."""
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        for key in ["loss", *keys, "_count"]:
+            self.sums.setdefault(key, zero)
         totals = _all_reduce_sums(self.sums)
         count = totals.pop("_count")
-        return {f"{prefix}{k}": v / count for k, v in totals.items()}
+        return {f"{prefix}{k}": (v / count if count else float("nan")) for k, v in totals.items()}
 
 
 class WorkerLoop:
@@ -122,6 +155,9 @@ class WorkerLoop:
         self.world_size = session.world_size
         self.state = LoopState()
         self._metric_names: list[str] = []
+        self._resumed_epoch: dict[str, Any] | None = None  # this rank's mid-epoch sums
+        self._stop = False  # the driver asked for a checkpoint and a stop
+        self._last_stop_poll = 0.0
 
     def run(self) -> dict[str, Any]:
         setup_logging(self.task.log_level)
@@ -135,6 +171,8 @@ class WorkerLoop:
         )
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             row = self.train_epoch(epoch)
+            if row is None:  # stopped mid-epoch on request, checkpoint written
+                return self._stopped_result(nodes)
             row.update(self.validate())
             self.state.epoch, self.state.history = epoch + 1, [*self.state.history, row]
             if metrics_log:
@@ -146,8 +184,14 @@ class WorkerLoop:
                 self.cfg.train.epochs,
                 ", ".join(f"{k}={v:.4g}" for k, v in row.items() if k != "epoch"),
             )
-            self.report(row, due=self._checkpoint_due(epoch))
+            self.report(row, due=self._checkpoint_due(epoch) or self._stop)
+            if self._stop and epoch + 1 < self.cfg.train.epochs:
+                return self._stopped_result(nodes)
         return {"history": self.state.history, "worker_nodes": nodes}
+
+    def _stopped_result(self, nodes: list[str]) -> dict[str, Any]:
+        rank_zero_info(logger, "stopped on request at step %d with a checkpoint", self.state.step)
+        return {"history": self.state.history, "worker_nodes": nodes, "stopped": True}
 
     # -- setup ---------------------------------------------------------------------------
     def setup(self) -> None:
@@ -211,7 +255,7 @@ class WorkerLoop:
             loader_kwargs["prefetch_factor"] = self.cfg.dataloader.prefetch_factor
         # One sampler for every world size: rank r takes every W-th index of the same
         # seeded permutation, so a global step sees the same samples for 1 or 64 workers.
-        sampler = DistributedSampler(
+        sampler = ResumableDistributedSampler(
             train_set,
             num_replicas=self.world_size,
             rank=self.rank,
@@ -219,11 +263,15 @@ class WorkerLoop:
             seed=self.cfg.experiment.seed,
         )
         self.sampler = sampler
+        # The loader's own generator seeds its worker processes per (epoch, rank), so
+        # creating an iterator never draws from the global RNG a resume restores.
+        self.loader_generator = torch.Generator()
         train = DataLoader(
             train_set,
             batch_size=plan.per_worker_batch_size,
             sampler=sampler,
             drop_last=True,
+            generator=self.loader_generator,
             **loader_kwargs,
         )
         # Validation shards without padding so that every sample counts exactly once.
@@ -247,9 +295,11 @@ class WorkerLoop:
 
     # -- resume ---------------------------------------------------------------------------
     def resume(self) -> None:
-        with self.session.restored_checkpoint() as directory:
-            if directory is None:
+        with self.session.restored_checkpoint() as restored:
+            if restored is None:
                 return
+            # A torn or corrupted newest checkpoint falls back to the next older one.
+            directory = ckpt.usable_checkpoint(restored)
             state = ckpt.load_train_state(directory)
             weights = torch.load(
                 directory / ckpt.MODEL_FILE, map_location=self.device, weights_only=True
@@ -261,23 +311,33 @@ class WorkerLoop:
         # when a Tune PBT trial continues a better trial's checkpoint with a mutated lr.
         self.scheduler.base_lrs = [self.plan.lr] * len(self.scheduler.base_lrs)
         self.scaler.load_state_dict(state["scaler"])
-        self.state = LoopState(state["epoch"], state["step"], state["history"])
-        rng = state["rng"]
-        if len(rng) == self.world_size:
-            ckpt.set_rng_state(rng[self.rank])
+        self.state = LoopState(
+            epoch=state["epoch"],
+            step=state["step"],
+            history=state["history"],
+            step_in_epoch=state["step_in_epoch"],
+            skipped_steps=state["skipped_steps"],
+        )
+        ranks = state["ranks"]
+        if len(ranks) == self.world_size:
+            ckpt.set_rng_state(ranks[self.rank]["rng"])
+            self._resumed_epoch = ranks[self.rank]["epoch"]
         else:
             rank_zero_info(
                 logger,
                 "checkpoint was written by %d workers, this run has %d: "
                 "random streams restart from the seed",
-                len(rng),
+                len(ranks),
                 self.world_size,
             )
+            # A global step covers the same samples for any world size, so the epoch's
+            # sums stay exact when rank 0 carries all of them.
+            self._resumed_epoch = _merged_epoch_progress([r["epoch"] for r in ranks], self.rank)
         rank_zero_info(
             logger,
-            "resumed from %s after epoch %d (step %d)",
+            "resumed from %s at epoch %d, step %d",
             directory,
-            self.state.epoch,
+            self.state.epoch + 1 if self.state.step_in_epoch else self.state.epoch,
             self.state.step,
         )
 
@@ -294,22 +354,37 @@ class WorkerLoop:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
-    def train_epoch(self, epoch: int) -> dict[str, float]:
+    def train_epoch(self, epoch: int) -> dict[str, float] | None:
+        """Train one epoch (or its rest, after a mid-epoch resume); None if stopped early."""
         self.model.train()
         self.sampler.set_epoch(epoch)  # Ray's prepare_data_loader never does this.
-        accum = self.plan.grad_accum_steps
-        averages = _Averages(self.device)
+        self.loader_generator.manual_seed(_loader_seed(self.cfg.experiment.seed, epoch, self.rank))
+        plan = self.plan
+        accum = plan.grad_accum_steps
+        first_step = self.state.step_in_epoch
+        self.sampler.skip_next(first_step * accum * plan.per_worker_batch_size)
+        progress = EpochProgress(self.device, self._resumed_epoch)
+        self._resumed_epoch = None
         batches = iter(self.train_loader)
         start = last_push = time.perf_counter()
-        for step_in_epoch in range(self.steps_per_epoch):
+        for step_in_epoch in range(first_step, self.steps_per_epoch):
+            micro_results = []
             for micro in range(accum):
                 with self._sync_context(micro == accum - 1):
                     with self._autocast():
                         out = self.spec.step(self.model, next(batches))
                     self.scaler.scale(out.loss / accum).backward()
-                averages.add({"loss": out.loss, **out.metrics}, out.num_samples)
+                micro_results.append(({"loss": out.loss, **out.metrics}, out.num_samples))
             self._metric_names = list(out.metrics)
-            self._optimizer_step()
+            nonfinite, self._stop = self._agree_after_step(micro_results)
+            if nonfinite:
+                self._skip_nonfinite_step(epoch, step_in_epoch, micro_results)
+                progress.skipped_steps += 1
+            else:
+                for values, num_samples in micro_results:
+                    progress.averages.add(values, num_samples)
+                self._optimizer_step()
+            self.state.step_in_epoch = step_in_epoch + 1
             now = time.perf_counter()
             if (
                 self.task.progress is not None
@@ -321,19 +396,79 @@ class WorkerLoop:
             ):
                 last_push = now
                 self._push_progress(epoch, step_in_epoch + 1, out.loss, now - start)
-        elapsed = time.perf_counter() - start
-        row = {"epoch": epoch + 1, "step": self.state.step, **averages.global_means("train_")}
-        if not math.isfinite(row["train_loss"]):
-            # Every rank sees the same global value, so all stop together, before a
-            # checkpoint of the broken weights is written.
-            raise NonFiniteLossError(
-                f"training loss became {row['train_loss']} in epoch {epoch + 1}; lower "
-                f"train.lr, enable train.grad_clip or check the data for NaNs"
-            )
+            if step_in_epoch + 1 < self.steps_per_epoch and (
+                self._stop or self._step_checkpoint_due()
+            ):
+                progress.elapsed_s += time.perf_counter() - start
+                start = time.perf_counter()
+                self.report_mid_epoch(progress)
+                if self._stop:
+                    return None
+        progress.elapsed_s += time.perf_counter() - start
+        self.state.step_in_epoch = 0
+        row = {
+            "epoch": epoch + 1,
+            "step": self.state.step,
+            **progress.averages.global_means("train_", self._metric_names),
+        }
         row["lr"] = self.scheduler.get_last_lr()[0]
-        row["samples_per_s"] = self.steps_per_epoch * self.plan.effective_batch_size / elapsed
-        row["epoch_time_s"] = elapsed
+        steps_run = self.steps_per_epoch - first_step
+        row["samples_per_s"] = steps_run * plan.effective_batch_size / max(progress.elapsed_s, 1e-9)
+        row["epoch_time_s"] = progress.elapsed_s
+        if self.cfg.train.on_nonfinite == "skip":
+            # Every rank skipped the same steps (they agree after each step).
+            row["skipped_steps"] = progress.skipped_steps
         return row
+
+    def _agree_after_step(self, micro_results: list) -> tuple[bool, bool]:
+        """Whether any rank's loss was non-finite, and whether the driver asked to stop.
+
+        One tiny all-reduce per step, so every rank skips, stops or checkpoints at the
+        same step (a rank that did otherwise would hang the next collective).
+        """
+        losses = torch.stack([values["loss"].detach().float() for values, _ in micro_results])
+        stop = float(self._stop_requested())
+        flags = torch.stack(
+            [(~torch.isfinite(losses).all()).float(), torch.tensor(stop, device=losses.device)]
+        )
+        if self.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, stop = flags.tolist()
+        return nonfinite > 0, stop > 0
+
+    def _stop_requested(self) -> bool:
+        if self._stop:
+            return True
+        if not (is_rank_zero() and self.task.stop_file):
+            return False
+        now = time.monotonic()
+        if now - self._last_stop_poll < _STOP_POLL_INTERVAL_S:
+            return False
+        self._last_stop_poll = now
+        return Path(self.task.stop_file).exists()
+
+    def _skip_nonfinite_step(self, epoch: int, step_in_epoch: int, micro_results: list) -> None:
+        losses = [float(values["loss"].detach()) for values, _ in micro_results]
+        where = (
+            f"step {self.state.step + 1} (epoch {epoch + 1}, step {step_in_epoch + 1} of "
+            f"{self.steps_per_epoch})"
+        )
+        if self.cfg.train.on_nonfinite == "stop":
+            # Raised on every rank before the optimizer step and before any checkpoint.
+            raise NonFiniteLossError(
+                f"training loss became non-finite at {where}; lower train.lr, enable "
+                f"train.grad_clip, check the data for NaNs, or set train.on_nonfinite=skip"
+            )
+        rank_zero_info(logger, "skipped %s: non-finite loss %s", where, losses)
+        self.optimizer.zero_grad(set_to_none=True)
+        # The schedule follows the data: a skipped step still advances it.
+        self.scheduler.step()
+        self.state.step += 1
+        self.state.skipped_steps += 1
+
+    def _step_checkpoint_due(self) -> bool:
+        every = self.cfg.train.checkpoint_every_steps
+        return bool(every) and self.session.mid_epoch_checkpoints and self.state.step % every == 0
 
     def _optimizer_step(self) -> None:
         if self.cfg.train.grad_clip is not None:
@@ -366,10 +501,8 @@ class WorkerLoop:
             with self._autocast():
                 out = self.spec.step(self.module, batch)
             averages.add({"loss": out.loss, **out.metrics}, out.num_samples)
-        if not averages.sums:  # a rank with no validation samples still joins the reduce
-            zero = torch.zeros((), device=self.device)
-            averages.add({"loss": zero, **dict.fromkeys(self._metric_names, zero)}, 0)
-        return averages.global_means("val_")
+        # A rank with no validation samples still joins the reduce, with zeros.
+        return averages.global_means("val_", self._metric_names)
 
     # -- checkpoint and report -------------------------------------------------------------
     def _checkpoint_due(self, epoch: int) -> bool:
@@ -378,9 +511,19 @@ class WorkerLoop:
 
     def report(self, row: dict[str, float], due: bool) -> None:
         """Report the epoch on every rank (Ray requires equal counts); rank 0 checkpoints."""
-        rngs = _gather(ckpt.rng_state(), self.world_size) if due else None
+        self._report(row, due, EpochProgress(self.device))
+
+    def report_mid_epoch(self, progress: EpochProgress) -> None:
+        """A checkpoint between two steps, with what the rest of the epoch needs to resume."""
+        row = {"epoch": self.state.epoch, "step": self.state.step, "mid_epoch": 1}
+        self._report(row, True, progress)
+
+    def _report(self, row: dict[str, float], due: bool, progress: EpochProgress) -> None:
+        per_rank = {"rng": ckpt.rng_state(), "epoch": progress.to_dict()} if due else None
+        ranks = _gather(per_rank, self.world_size) if due else None
+        name = ckpt.checkpoint_name(self.state.epoch, self.state.step) if due else None
         if not (due and is_rank_zero()):
-            self.session.report(row, None)
+            self.session.report(row, None, name)
             return
         with scratch_dir() as directory:
             ckpt.save_checkpoint(
@@ -392,8 +535,10 @@ class WorkerLoop:
                     "scaler": self.scaler.state_dict(),
                     "epoch": self.state.epoch,
                     "step": self.state.step,
+                    "step_in_epoch": self.state.step_in_epoch,
+                    "skipped_steps": self.state.skipped_steps,
                     "history": self.state.history,
-                    "rng": rngs,
+                    "ranks": ranks,
                 },
                 meta={
                     "model_factory": asdict(self.task.model),
@@ -405,4 +550,24 @@ class WorkerLoop:
                     "metrics": row,
                 },
             )
-            self.session.report(row, directory)
+            self.session.report(row, directory, name)
+
+
+def _loader_seed(seed: int, epoch: int, rank: int) -> int:
+    """Seed of a rank's loader generator for one epoch: reproducible, distinct per rank."""
+    return (seed * 1_000_003 + epoch * 10_007 + rank) % 2**63
+
+
+def _merged_epoch_progress(saved: list[dict[str, Any]], rank: int) -> dict[str, Any]:
+    """Mid-epoch sums written by another world size: rank 0 takes their total."""
+    if rank != 0:
+        return {"elapsed_s": max(p["elapsed_s"] for p in saved)}
+    sums: dict[str, float] = {}
+    for progress in saved:
+        for key, value in progress["sums"].items():
+            sums[key] = sums.get(key, 0.0) + value
+    return {
+        "sums": sums,
+        "elapsed_s": max(p["elapsed_s"] for p in saved),
+        "skipped_steps": saved[0]["skipped_steps"],
+    }

@@ -41,6 +41,11 @@ class RunDirectory:
     def data(self) -> Path:
         return self.root / "data"
 
+    @property
+    def stop_request(self) -> Path:
+        """Created by the driver on a preemption signal; rank 0 polls it between steps."""
+        return self.root / ".stop-requested"
+
     def exists(self) -> bool:
         return self.config.is_file()
 

@@ -23,6 +23,8 @@ class WorkerSession(Protocol):
 
     world_rank: int
     world_size: int
+    # Whether checkpoints may be reported between epochs (train.checkpoint_every_steps).
+    mid_epoch_checkpoints: bool
 
     def device(self) -> torch.device: ...
 
@@ -30,7 +32,9 @@ class WorkerSession(Protocol):
 
     def prepare_loader(self, loader: DataLoader) -> DataLoader: ...
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None: ...
+    def report(
+        self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None
+    ) -> None: ...
 
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
 
@@ -39,6 +43,8 @@ class WorkerSession(Protocol):
 
 class RayTrainSession:
     """A Ray Train V2 worker; the process group already exists (Ray created it)."""
+
+    mid_epoch_checkpoints = True
 
     def __init__(self) -> None:
         import ray.train
@@ -67,11 +73,18 @@ class RayTrainSession:
         # Ray only adds the transfer to the device.
         return ray.train.torch.prepare_data_loader(loader, add_dist_sampler=False)
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+    def report(
+        self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None
+    ) -> None:
         import ray.train
 
         checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        ray.train.report(metrics, checkpoint=checkpoint)
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_dir_name=name,
+            checkpoint_upload_fn=_upload_atomically,
+        )
 
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         import ray.train
@@ -80,6 +93,39 @@ class RayTrainSession:
 
     def node_address(self) -> str:
         return _node_address()
+
+
+def _upload_atomically(checkpoint: Any, name: str) -> Any:
+    """Copy a checkpoint into the run's storage under a temporary name, then rename it.
+
+    A worker killed mid-copy leaves only a ``.partial`` directory, never a torn checkpoint
+    under a real name (on object stores, where a rename is a copy, the manifest still
+    catches a torn one).
+    """
+    import pyarrow.fs
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    fs = storage.storage_filesystem
+    final = storage.build_checkpoint_path_from_name(name)
+    # The same step written again (after a restart from an older checkpoint): a new name,
+    # so Ray's bookkeeping never holds two entries for one directory.
+    attempt = 1
+    while fs.get_file_info(final).type != pyarrow.fs.FileType.NotFound:
+        final = storage.build_checkpoint_path_from_name(f"{name}-r{attempt}")
+        attempt += 1
+    partial = final + ".partial"
+    if fs.get_file_info(partial).type != pyarrow.fs.FileType.NotFound:
+        fs.delete_dir(partial)  # left by a worker killed mid-copy
+    fs.create_dir(partial)
+    pyarrow.fs.copy_files(
+        checkpoint.path,
+        partial,
+        source_filesystem=checkpoint.filesystem,
+        destination_filesystem=fs,
+    )
+    fs.move(partial, final)
+    return ray.train.Checkpoint(final, filesystem=fs)
 
 
 @contextlib.contextmanager
@@ -136,6 +182,8 @@ class TuneTrialSession:
 
     world_rank = 0
     world_size = 1
+    # A Tune result is a scheduler decision point (ASHA rungs, PBT): epochs only.
+    mid_epoch_checkpoints = False
 
     def __init__(self, use_gpu: bool) -> None:
         self._device = torch.device("cuda:0" if use_gpu else "cpu")
@@ -149,7 +197,9 @@ class TuneTrialSession:
     def prepare_loader(self, loader: DataLoader) -> Any:
         return loader if self._device.type == "cpu" else _DeviceLoader(loader, self._device)
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+    def report(
+        self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None
+    ) -> None:
         from ray import tune
 
         checkpoint = tune.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None

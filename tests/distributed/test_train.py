@@ -114,7 +114,9 @@ def test_only_rank_zero_wrote_files(runs):
     assert len(checkpoints) == 2  # train.keep_checkpoints default
     for directory in checkpoints:
         names = sorted(p.name for p in (root / directory).iterdir())
-        assert names == ["meta.json", "model.pt", "train_state.pt"], names
+        assert names == ["manifest.json", "meta.json", "model.pt", "train_state.pt"], names
+    # checkpoints are copied under a temporary name and renamed: none is left half-copied
+    assert not [f for f in files if ".partial/" in f], files
     epochs = [row["epoch"] for row in runs[2].metrics]
     assert epochs == sorted(set(epochs))  # one row per epoch, not one per rank
 

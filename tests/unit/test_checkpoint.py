@@ -17,9 +17,12 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain_app.checkpoint import (
+    MANIFEST_FILE,
     META_FILE,
     MODEL_FILE,
     TRAIN_STATE_FILE,
+    DamagedCheckpointError,
+    checkpoint_name,
     find_checkpoint,
     load_model,
     load_train_state,
@@ -28,6 +31,7 @@ from raytrain_app.checkpoint import (
     save_checkpoint,
     set_rng_state,
     unwrap_model,
+    verify_checkpoint,
 )
 from raytrain_app.config import RaytrainConfig, config_to_dict
 from raytrain_app.data import parquet_windows, synthetic_wind
@@ -90,7 +94,7 @@ def test_unwrap_strips_ddp_around_compile(gloo_group, compiled):
 # --------------------------------------------------------------------------- save_checkpoint
 
 
-def test_save_checkpoint_writes_the_three_files(tmp_path):
+def test_save_checkpoint_writes_the_files_and_their_manifest(tmp_path):
     model = nn.Linear(3, 2)
     train_state = {"epoch": 2, "step": 10, "optimizer": {"lr": 0.1}}
     meta = {"model_factory": {"target": "x:y"}, "data_info": {}, "config": {}}
@@ -99,8 +103,11 @@ def test_save_checkpoint_writes_the_three_files(tmp_path):
     )
     assert directory == tmp_path / "a" / "ckpt"
     assert sorted(p.name for p in directory.iterdir()) == sorted(
-        [MODEL_FILE, TRAIN_STATE_FILE, META_FILE]
+        [MODEL_FILE, TRAIN_STATE_FILE, META_FILE, MANIFEST_FILE]
     )  # no temporary files left behind
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())["files"]
+    assert manifest[MODEL_FILE]["size"] == (directory / MODEL_FILE).stat().st_size
+    verify_checkpoint(directory)
     assert load_train_state(directory) == train_state
     assert read_meta(directory) == meta
 
@@ -161,42 +168,73 @@ def test_rng_state_survives_a_checkpoint(tmp_path):
 # --------------------------------------------------------------------------- find_checkpoint
 
 
-def _fake_checkpoint(directory: Path, mtime: float | None = None) -> Path:
-    directory.mkdir(parents=True)
-    (directory / MODEL_FILE).write_bytes(b"")
-    if mtime is not None:
-        os.utime(directory, (mtime, mtime))
+def _saved_checkpoint(folder: Path, epoch: int, step: int, mtime: float = 1000.0) -> Path:
+    directory = save_checkpoint(
+        folder / checkpoint_name(epoch, step),
+        model=nn.Linear(1, 1),
+        train_state={"epoch": epoch, "step": step},
+        meta={"epoch": epoch, "step": step},
+    )
+    os.utime(directory, (mtime, mtime))
     return directory
 
 
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
 def test_find_checkpoint_accepts_a_checkpoint_directory(tmp_path):
-    ckpt = _fake_checkpoint(tmp_path / "ckpt")
+    ckpt = _saved_checkpoint(tmp_path, 1, 10)
     assert find_checkpoint(ckpt) == ckpt
     assert find_checkpoint(str(ckpt)) == ckpt
 
 
-def test_find_checkpoint_follows_summary_json(tmp_path):
-    run = tmp_path / "run"
-    newer = _fake_checkpoint(run / "checkpoints" / "exp" / "checkpoint_1", mtime=2000)
-    summarised = _fake_checkpoint(run / "checkpoints" / "exp" / "checkpoint_0", mtime=1000)
-    (run / "summary.json").write_text(json.dumps({"checkpoint": str(summarised)}))
-    assert find_checkpoint(run) == summarised  # summary wins over modification times
-    assert newer != summarised
+def test_find_checkpoint_takes_the_most_advanced_checkpoint_of_a_run(tmp_path):
+    folder = tmp_path / "run" / "checkpoints" / "exp"
+    _saved_checkpoint(folder, 1, 10, mtime=3000)  # touched last, but older progress
+    newest = _saved_checkpoint(folder, 2, 25, mtime=1000)
+    _saved_checkpoint(folder, 2, 20, mtime=2000)
+    assert find_checkpoint(tmp_path / "run") == newest
 
 
-def test_find_checkpoint_falls_back_to_the_newest_under_checkpoints(tmp_path):
-    run = tmp_path / "run"
-    _fake_checkpoint(run / "checkpoints" / "exp" / "checkpoint_0", mtime=1000)
-    newest = _fake_checkpoint(run / "checkpoints" / "exp" / "checkpoint_2", mtime=3000)
-    _fake_checkpoint(run / "checkpoints" / "exp" / "checkpoint_1", mtime=2000)
-    assert find_checkpoint(run) == newest
-    # a summary naming a checkpoint that no longer exists is not trusted
-    (run / "summary.json").write_text(json.dumps({"checkpoint": str(tmp_path / "gone")}))
-    assert find_checkpoint(run) == newest
-    (run / "summary.json").write_text(json.dumps({"checkpoint": None}))
-    assert find_checkpoint(run) == newest
-    (run / "summary.json").write_text('{"checkpoint": "trunc')  # a torn summary.json
-    assert find_checkpoint(run) == newest
+def test_find_checkpoint_skips_damaged_checkpoints_of_a_run(tmp_path, caplog):
+    folder = tmp_path / "run" / "checkpoints" / "exp"
+    intact = _saved_checkpoint(folder, 1, 10)
+    damaged = _saved_checkpoint(folder, 2, 20)
+    _truncate(damaged / MODEL_FILE)
+    with caplog.at_level("WARNING"):
+        assert find_checkpoint(tmp_path / "run") == intact
+    assert f"skipping the damaged checkpoint {damaged}" in caplog.text
+    _truncate(intact / TRAIN_STATE_FILE)
+    with pytest.raises(DamagedCheckpointError, match=r"model\.pt has \d+ bytes"):
+        find_checkpoint(tmp_path / "run")  # every one damaged: the newest is reported
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda d: _truncate(d / MODEL_FILE), r"model\.pt has \d+ bytes, the manifest says \d+"),
+        (lambda d: (d / META_FILE).write_text('{"epoch": 9, "step": 99}'), "meta.json has"),
+        (
+            lambda d: (d / TRAIN_STATE_FILE).write_bytes(
+                bytes(b ^ 1 for b in (d / TRAIN_STATE_FILE).read_bytes())
+            ),
+            "train_state.pt does not match its checksum",
+        ),
+        (lambda d: (d / MODEL_FILE).unlink(), "model.pt is missing"),
+        (lambda d: (d / MANIFEST_FILE).unlink(), "manifest.json is missing"),
+        (lambda d: (d / MANIFEST_FILE).write_text("{"), "manifest.json is unreadable"),
+    ],
+)
+def test_verify_checkpoint_names_the_damaged_file_in_one_line(tmp_path, damage, problem):
+    directory = _saved_checkpoint(tmp_path, 1, 10)
+    damage(directory)
+    with pytest.raises(DamagedCheckpointError, match=problem) as info:
+        verify_checkpoint(directory)
+    message = str(info.value)
+    assert "\n" not in message and str(directory) in message and "older checkpoint" in message
+    with pytest.raises(DamagedCheckpointError):
+        find_checkpoint(directory)  # a named checkpoint directory is verified too
 
 
 @pytest.mark.parametrize("kind", ["missing", "empty_dir", "run_without_checkpoints", "file"])
@@ -259,7 +297,8 @@ def test_checkpoint_is_self_contained(wind_checkpoint, tmp_path):
     assert {"model_factory", "data_info", "config"} <= meta.keys()
     moved = tmp_path / "copied"
     moved.mkdir()
-    for name in (MODEL_FILE, META_FILE):  # no data, no train state, elsewhere on disk
+    # no data, no optimizer state, elsewhere on disk: what one ships for inference
+    for name in (MODEL_FILE, META_FILE, MANIFEST_FILE):
         (moved / name).write_bytes((ckpt / name).read_bytes())
     original.eval()
     with torch.no_grad():

@@ -1,0 +1,66 @@
+"""A sine-regression workload that injects faults on cue, for the reliability tests.
+
+``model.params`` choose the fault, counted in training micro-batches of this process
+(``call`` 1 is the first): ``nan_at_calls`` (a NaN loss), ``kill_rank`` + ``kill_at_call``
++ ``marker`` (SIGKILL this worker once, when the marker file does not exist yet),
+``hang_rank`` + ``hang_at_call`` (sleep far past any timeout), ``sleep_s`` (slow every
+step down so a test can act mid-run), ``dropout`` (random masks, so resumes must restore
+every rank's RNG to be exact).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from sine_regression import build_data
+from torch import nn
+
+from raytrain_app import ModelSpec, StepOutput
+
+__all__ = ["build_data", "build_model"]
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def build_model(params: dict, data_info: dict) -> ModelSpec:
+    hidden = int(params.get("hidden", 32))
+    module = nn.Sequential(
+        nn.Linear(data_info["in_features"], hidden),
+        nn.Tanh(),
+        nn.Dropout(float(params.get("dropout", 0.0))),
+        nn.Linear(hidden, 1),
+    )
+    calls = 0
+
+    def step(model: nn.Module, batch) -> StepOutput:
+        nonlocal calls
+        x, y = batch
+        if model.training:
+            calls += 1
+            _inject(params, calls)
+        prediction = model(x)
+        loss = nn.functional.mse_loss(prediction, y)
+        if model.training and calls in params.get("nan_at_calls", ()):
+            loss = loss * float("nan")
+        return StepOutput(loss=loss, num_samples=y.shape[0])
+
+    return ModelSpec(module=module, step=step)
+
+
+def _inject(params: dict, calls: int) -> None:
+    if params.get("sleep_s"):
+        time.sleep(float(params["sleep_s"]))
+    if _rank() == params.get("kill_rank") and calls == params.get("kill_at_call"):
+        marker = Path(params["marker"])
+        if not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+    if _rank() == params.get("hang_rank") and calls == params.get("hang_at_call"):
+        time.sleep(3600)

@@ -1,0 +1,40 @@
+"""``driver.ray_session`` decides how Ray starts; ``ray.init`` is replaced, no Ray runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_app import driver
+from raytrain_app.environment import Resources, detect_environment
+
+
+@pytest.fixture
+def init_calls(monkeypatch) -> list[dict]:
+    """Every ``ray.init`` call's keyword arguments; Ray itself never starts."""
+    calls: list[dict] = []
+    monkeypatch.setattr(driver.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(driver.ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(driver.ray, "shutdown", lambda: None)
+    cluster = Resources(cpus=2.0, gpus=0.0, nodes=1, source="ray cluster")
+    monkeypatch.setattr(driver, "ray_cluster_resources", lambda: (cluster, None))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("variables", "host"),
+    [({}, "127.0.0.1"), ({"RAYTRAIN_DASHBOARD_HOST": "0.0.0.0"}, "0.0.0.0")],
+)
+def test_an_embedded_ray_binds_its_dashboard_to_localhost_unless_opted_in(
+    init_calls, variables, host
+):
+    with driver.ray_session(None, detect_environment(variables)) as env:
+        assert env.resources.source == "this machine"
+    (call,) = init_calls
+    assert call["dashboard_host"] == host and "address" not in call
+
+
+def test_connecting_to_a_cluster_starts_no_dashboard(init_calls):
+    with driver.ray_session("10.0.0.1:6379", detect_environment({})):
+        pass
+    (call,) = init_calls
+    assert call["address"] == "10.0.0.1:6379" and "dashboard_host" not in call
