@@ -1,7 +1,8 @@
 """The ``raytrain`` console script: parse flags, call the API, map errors to exit codes.
 
 Exit codes: 0 success, 2 bad input (config, flag, path), 1 the run failed, 130 interrupted,
-75 stopped on a preemption signal with a checkpoint (re-run or requeue to resume).
+75 stopped on a preemption signal with a checkpoint (re-run or requeue to resume); Ctrl-C
+also checkpoints at the next step before exiting 130, a second Ctrl-C exits at once.
 Errors print as one line; ``--debug`` adds the traceback.
 """
 

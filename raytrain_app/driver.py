@@ -162,10 +162,23 @@ def user_facing_error(exc: BaseException, timeout_s: int | None = None) -> Excep
     return RunFailedError(f"training failed: {type(cause).__name__}: {cause}".splitlines()[0])
 
 
+# The signals that ask a run to checkpoint at the next step and stop: Ctrl-C, SLURM's
+# warning before a time limit or preemption (the script asks for SIGUSR1), and SIGTERM.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM)
+
+
+class _Trainer(TorchTrainer):
+    """TorchTrainer without Ray's own Ctrl-C handler, which aborts the run without a
+    checkpoint and exits the process; ``stop_on_signals`` handles Ctrl-C instead."""
+
+    def _register_sigint_handler(self, controller: Any) -> None:
+        return None
+
+
 @contextmanager
 def stop_on_signals(stop_file: Path) -> Iterator[list[str]]:
-    """SIGUSR1 (SLURM's warning before a time limit or preemption) and SIGTERM ask the
-    workers to checkpoint at the next step and stop; a second signal interrupts at once.
+    """Any of ``STOP_SIGNALS`` asks the workers to checkpoint at the next step and stop;
+    a second one interrupts at once.
 
     Yields the names of the signals received. Outside the main thread (a notebook's
     worker thread) signals cannot be caught and nothing is installed.
@@ -181,8 +194,7 @@ def stop_on_signals(stop_file: Path) -> Iterator[list[str]]:
             raise KeyboardInterrupt
         stop_file.touch()  # rank 0 polls for it between steps
 
-    watched = (signal.SIGUSR1, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, request_stop) for sig in watched}
+    previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
     try:
         yield received
     finally:
@@ -192,7 +204,8 @@ def stop_on_signals(stop_file: Path) -> Iterator[list[str]]:
 
 def _run_trainer(
     task: WorkerTask, cfg: RaytrainConfig, run_dir: RunDirectory, progress: bool
-) -> ray.train.Result:
+) -> tuple[ray.train.Result, str | None]:
+    """Run the TorchTrainer; returns its result and the stop signal received, if any."""
     plan = task.plan
     run_config = ray.train.RunConfig(
         name=cfg.experiment.name,
@@ -215,7 +228,7 @@ def _run_trainer(
     task.stop_file = str(stop_file)
     with DriverProgress(enabled=progress) as bar, stop_on_signals(stop_file) as received:
         task.progress = bar.tracker
-        trainer = TorchTrainer(
+        trainer = _Trainer(
             _train_loop_entry,
             train_loop_config={"task": task},
             torch_config=TorchConfig(backend=plan.backend, timeout_s=plan.timeout_s),
@@ -224,9 +237,7 @@ def _run_trainer(
         )
         result = trainer.fit()
     stop_file.unlink(missing_ok=True)
-    if received:
-        logger.warning("received %s: workers were asked to checkpoint and stop", received[0])
-    return result
+    return result, received[0] if received else None
 
 
 def _train_loop_entry(config: dict[str, Any]) -> dict[str, Any]:
@@ -288,14 +299,16 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
             run_dir=str(run_dir.root),
         )
         try:
-            result = _run_trainer(task, resolved, run_dir, progress)
+            result, stop_signal = _run_trainer(task, resolved, run_dir, progress)
         except ray.train.TrainingFailedError as exc:
             raise user_facing_error(exc, plan.timeout_s) from exc
     summary = _summary(result, plan, time.perf_counter() - start)
     run_dir.write_summary(summary)
     if summary["status"] == "stopped":
         raise RunStoppedError(
-            f"stopped on request after {summary['epochs_completed']} complete epoch(s), with "
-            f"a checkpoint at {summary['checkpoint']}; run the same command again to resume"
+            f"stopped on request ({stop_signal}) after {summary['epochs_completed']} complete "
+            f"epoch(s), with a checkpoint at {summary['checkpoint']}; run the same command "
+            f"again to resume",
+            interrupted=stop_signal == "SIGINT",
         )
     return TrainResult(run_dir=run_dir.root, summary=summary, metrics=read_metrics(run_dir.root))

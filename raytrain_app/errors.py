@@ -17,9 +17,14 @@ class RunFailedError(RuntimeError):
 
 
 class RunStoppedError(RunFailedError):
-    """The run stopped early on request (a preemption or time-limit signal) after writing a
-    checkpoint; exit code 75 (EX_TEMPFAIL): "try again", which the SLURM script turns into a
-    requeue. Re-running the same command resumes it.
+    """The run stopped early on request (a preemption or time-limit signal, or Ctrl-C) after
+    writing a checkpoint; exit code 75 (EX_TEMPFAIL, "try again", which the SLURM script turns
+    into a requeue), or 130 after Ctrl-C. Re-running the same command resumes it.
     """
 
     exit_code = 75
+
+    def __init__(self, message: str, interrupted: bool = False) -> None:
+        super().__init__(message)
+        if interrupted:  # Ctrl-C: the shell's usual code for an interrupted command
+            self.exit_code = 130

@@ -135,7 +135,8 @@ def _slurm_conf(root: Path, nodes: list[Node], cpus: int, ports: dict[str, int])
         f"SrunPortRange={ports['srun']}-{ports['srun'] + 200}",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={root}/munge/munge.socket",
+        # cred_expire also holds a requeued job back (default 120 s): keep tests short
+        f"AuthInfo=socket={root}/munge/munge.socket,cred_expire=10",
         "SlurmUser=root",
         "SlurmdUser=root",
         f"StateSaveLocation={root}/state",

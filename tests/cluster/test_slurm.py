@@ -121,3 +121,45 @@ def test_the_same_script_runs_a_sweep(one_node):
     run_dir = one_node.root / "runs" / "sweep"
     assert len((run_dir / "trials.csv").read_text().splitlines()) == 3
     assert (run_dir / "best_config.yaml").is_file()
+
+
+def _job_field(cluster: SlurmCluster, job_id: str, field: str) -> str:
+    out = cluster.run(["scontrol", "show", "job", job_id]).stdout
+    return re.search(rf"\b{field}=(\S+)", out).group(1)
+
+
+def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node):
+    """SIGUSR1 (what --signal=B:USR1@120 sends before a time limit) mid-run: the training
+    checkpoints at its next step and exits 75, the job is requeued and resumes there."""
+    ids = {}
+    for name in ("straight", "preempted"):
+        config = tiny_config(one_node, name, workers=1)
+        data = yaml.safe_load(config.read_text())
+        data["train"].update({"epochs": 4, "checkpoint_every_steps": 5})
+        config.write_text(yaml.safe_dump(data))
+        result = one_node.run(
+            ["sbatch", "--parsable", "--cpus-per-task=1", str(SCRIPT), "--config", str(config)],
+            check=True,
+        )
+        ids[name] = result.stdout.strip()
+    run_dir = one_node.root / "runs" / "preempted"
+    deadline = time.monotonic() + 300
+    while not list(run_dir.glob("checkpoints/*/checkpoint_*/manifest.json")):
+        assert time.monotonic() < deadline, job_log(one_node, ids["preempted"])
+        assert one_node.job_state(ids["preempted"]) in ("PENDING", "RUNNING")
+        time.sleep(0.2)
+    one_node.run(["scancel", "--signal=USR1", "--batch", ids["preempted"]], check=True)
+
+    while any(one_node.job_state(i) != "COMPLETED" for i in ids.values()):
+        states = {i: one_node.job_state(i) for i in ids.values()}
+        assert time.monotonic() < deadline and "FAILED" not in states.values(), states
+        time.sleep(1)
+    log = job_log(one_node, ids["preempted"])
+    assert _job_field(one_node, ids["preempted"], "Restarts") == "1", log
+    assert "stopped on request (SIGUSR1)" in log and "requeued" in log
+    assert "resumed from" in log
+    preempted, straight = summary(one_node, "preempted"), summary(one_node, "straight")
+    assert preempted["status"] == straight["status"] == "completed"
+    for key, value in straight["final_metrics"].items():
+        if key not in ("samples_per_s", "epoch_time_s"):
+            assert preempted["final_metrics"][key] == value, key

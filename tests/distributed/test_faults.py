@@ -1,0 +1,201 @@
+"""Faults a run survives with nothing lost, on a real Ray with 2 gloo workers.
+
+Every interrupted run is compared with one uninterrupted run of the same config and seed:
+the final metrics and weights must be bit-for-bit equal (fp32 on CPU, 2 workers: gloo sums
+two gradients, which is order-independent, and every rank's RNG, sampler position and
+partial epoch sums are restored from the checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+import raytrain_app as rt
+from raytrain_app import checkpoint as ckpt
+from raytrain_app.errors import RunFailedError
+from raytrain_app.metrics_log import read_metrics
+from raytrain_app.workloads import FactoryRef, build_data
+
+pytestmark = pytest.mark.distributed
+
+EPOCHS = 4
+STEPS_PER_EPOCH = 50  # 1601 train samples / global batch 32, the odd tail dropped
+TIMING_COLUMNS = ("samples_per_s", "epoch_time_s")
+
+
+def fault_config(output_dir: Path, name: str, **model_params) -> dict:
+    """Sine regression with dropout, odd-sized splits and a checkpoint every 10 steps."""
+    return {
+        "experiment": {"name": name, "output_dir": str(output_dir), "seed": 5},
+        "model": {"target": "faults:build_model", "params": {"dropout": 0.1, **model_params}},
+        # 2002 samples: 1601 train and 401 validation, neither divisible by 2 workers
+        "data": {"target": "faults:build_data", "params": {"num_samples": 2002}},
+        "train": {
+            "epochs": EPOCHS,
+            "global_batch_size": 32,
+            "lr": 0.01,
+            "checkpoint_every_steps": 10,
+            "keep_checkpoints": 3,
+        },
+        "scaling": {"num_workers": 2},
+        "dataloader": {"num_workers": 0},
+        "fault_tolerance": {"max_failures": 0},
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tmp_path_factory):
+    """The uninterrupted run every fault is compared with."""
+    return rt.train(fault_config(tmp_path_factory.mktemp("ref"), "straight"), progress=False)
+
+
+def _assert_same_as(run_dir: Path, reference: rt.TrainResult) -> None:
+    rows = read_metrics(run_dir)
+    assert [row["epoch"] for row in rows] == list(range(1, EPOCHS + 1))
+    for row, expected in zip(rows, reference.metrics, strict=True):
+        for column, value in expected.items():
+            if column not in TIMING_COLUMNS:
+                assert row[column] == value, (row["epoch"], column)
+    ours = rt.load_model(run_dir)
+    theirs = rt.load_model(reference.run_dir)
+    for key, tensor in theirs.state_dict().items():
+        assert torch.equal(ours.state_dict()[key], tensor), key
+
+
+def test_uneven_splits_give_equal_steps_and_count_every_validation_sample(reference):
+    assert [row["step"] for row in reference.metrics] == [
+        STEPS_PER_EPOCH * epoch for epoch in range(1, EPOCHS + 1)
+    ]
+    meta = ckpt.read_meta(reference.checkpoint)
+    splits = build_data(FactoryRef(**meta["data_factory"]), 5)
+    assert len(splits.val) % 2 == 1
+    model = rt.load_model(reference.checkpoint)
+    with torch.no_grad():
+        x, y = splits.val.tensors
+        loss = nn.functional.mse_loss(model(x), y).item()
+    assert reference.metrics[-1]["val_loss"] == pytest.approx(loss, rel=1e-6)
+
+
+def test_a_killed_worker_restarts_from_the_step_checkpoint_and_loses_nothing(reference, tmp_path):
+    marker = tmp_path / "killed"
+    # Rank 1 SIGKILLs itself in its 75th micro-batch: step 75, mid-epoch 2, 5 steps after
+    # the step-70 checkpoint.
+    cfg = fault_config(tmp_path, "killed", kill_rank=1, kill_at_call=75, marker=str(marker))
+    cfg["fault_tolerance"]["max_failures"] = 1
+    result = rt.train(cfg, progress=False)
+    assert marker.exists(), "the worker was never killed"
+    assert result.summary["status"] == "completed"
+    _assert_same_as(result.run_dir, reference)
+
+
+def test_a_hung_collective_fails_the_run_after_distributed_timeout_s(ray_cluster, tmp_path):
+    cfg = fault_config(tmp_path, "hung", hang_rank=1, hang_at_call=3)
+    cfg["distributed"] = {"timeout_s": 5}
+    start = time.monotonic()
+    with pytest.raises(RunFailedError, match=r"distributed\.timeout_s=5 s") as info:
+        rt.train(cfg, progress=False)
+    assert "\n" not in str(info.value)
+    assert time.monotonic() - start < 120  # not Ray's 30 minutes, not torch's 10
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+def _cli_env(ray_tmp: str) -> dict[str, str]:
+    env = dict(os.environ)  # PYTHONPATH already names examples/ and the test workloads
+    env.pop("RAY_ADDRESS", None)
+    env["RAY_TMPDIR"] = ray_tmp  # the embedded Ray of the subprocess gets its own temp dir
+    return env
+
+
+def _newest_step(run_dir: Path) -> int:
+    found = ckpt.checkpoints_newest_first(run_dir / "checkpoints")
+    return ckpt.read_meta(found[0])["step"] if found else 0
+
+
+def _wait_for_checkpoint_after(run_dir: Path, step: int, proc: subprocess.Popen) -> int:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        newest = _newest_step(run_dir)
+        if newest > step:
+            return newest
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint after step {step} was written")
+
+
+def _ray_processes(ray_tmp: str) -> list[int]:
+    """PIDs of processes started by the CLI's embedded Ray (they name its temp dir)."""
+    pids = []
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if ray_tmp.encode() in (proc_dir / "cmdline").read_bytes():
+                pids.append(int(proc_dir.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_the_driver_survives_ctrl_c_preemption_and_sigkill(reference, tmp_path):
+    """The same `raytrain train` command, interrupted three ways, then run to the end."""
+    config_file = tmp_path / "faults.yaml"
+    # 20 ms per micro-batch: about a second per epoch, time to interrupt it mid-epoch.
+    config_file.write_text(yaml.safe_dump(fault_config(tmp_path, "driver", sleep_s=0.02)))
+    command = [sys.executable, "-m", "raytrain_app.cli", "train", "--no-progress"]
+    command += ["--config", str(config_file)]
+    run_dir = tmp_path / "driver"
+    ray_tmp = tempfile.mkdtemp(prefix="rt-cli-", dir="/tmp")
+    env = _cli_env(ray_tmp)
+
+    def interrupted(how: signal.Signals) -> tuple[int, str]:
+        with subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc:
+            _wait_for_checkpoint_after(run_dir, _newest_step(run_dir), proc)
+            proc.send_signal(how)
+            output, _ = proc.communicate(timeout=120)
+        return proc.returncode, output
+
+    # Ctrl-C: a checkpoint at the next step, then the shell's usual exit code.
+    before = _newest_step(run_dir)
+    code, output = interrupted(signal.SIGINT)
+    assert code == 130, output
+    assert "stopped on request (SIGINT)" in output
+    assert _newest_step(run_dir) > before
+
+    # SLURM's warning signal: a checkpoint at the next step, then exit 75 to be requeued.
+    before = _newest_step(run_dir)
+    code, output = interrupted(signal.SIGUSR1)
+    assert code == 75, output
+    assert "stopped on request (SIGUSR1)" in output
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "stopped"
+    stopped_at = _newest_step(run_dir)
+    assert stopped_at > before and not (run_dir / ".stop-requested").exists()
+
+    # SIGKILL: no clean-up at all; the embedded Ray dies with its driver.
+    code, output = interrupted(signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    deadline = time.monotonic() + 60
+    while _ray_processes(ray_tmp) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    leftovers = _ray_processes(ray_tmp)
+    for pid in leftovers:  # never leave them running, even when the assertion fails
+        os.kill(pid, signal.SIGKILL)
+    assert not leftovers, "Ray processes outlived their SIGKILLed driver"
+
+    final = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stdout + final.stderr
+    assert "resumed from" in final.stdout + final.stderr
+    _assert_same_as(run_dir, reference)
