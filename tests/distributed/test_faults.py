@@ -100,6 +100,17 @@ def test_a_killed_worker_restarts_from_the_step_checkpoint_and_loses_nothing(ref
     _assert_same_as(result.run_dir, reference)
 
 
+def test_a_nan_on_one_rank_skips_that_step_on_every_rank(ray_cluster, tmp_path):
+    cfg = fault_config(tmp_path, "nan", nan_rank=1, nan_at_calls=[60])
+    cfg["train"]["on_nonfinite"] = "skip"
+    result = rt.train(cfg, progress=False)
+    # Rank 1's 60th micro-batch is step 60, in epoch 2; had rank 0 stepped alone, the
+    # ranks' weights would differ and DDP would not notice, so the agreement is the point.
+    assert [row["skipped_steps"] for row in result.metrics] == [0, 1, 0, 0]
+    assert all(torch.isfinite(p).all() for p in rt.load_model(result.run_dir).parameters())
+    assert result.metrics[-1]["train_loss"] < result.metrics[0]["train_loss"]
+
+
 def test_a_hung_collective_fails_the_run_after_distributed_timeout_s(ray_cluster, tmp_path):
     cfg = fault_config(tmp_path, "hung", hang_rank=1, hang_at_call=3)
     cfg["distributed"] = {"timeout_s": 5}

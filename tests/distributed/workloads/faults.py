@@ -1,7 +1,8 @@
 """A sine-regression workload that injects faults on cue, for the reliability tests.
 
 ``model.params`` choose the fault, counted in training micro-batches of this process
-(``call`` 1 is the first): ``nan_at_calls`` (a NaN loss), ``kill_rank`` + ``kill_at_call``
+(``call`` 1 is the first): ``nan_at_calls`` (a NaN loss; only on ``nan_rank`` if given),
+``kill_rank`` + ``kill_at_call``
 + ``marker`` (SIGKILL this worker once, when the marker file does not exist yet),
 ``hang_rank`` + ``hang_at_call`` (sleep far past any timeout), ``sleep_s`` (slow every
 step down so a test can act mid-run), ``dropout`` (random masks, so resumes must restore
@@ -47,7 +48,8 @@ def build_model(params: dict, data_info: dict) -> ModelSpec:
             _inject(params, calls)
         prediction = model(x)
         loss = nn.functional.mse_loss(prediction, y)
-        if model.training and calls in params.get("nan_at_calls", ()):
+        nan_here = params.get("nan_rank") in (None, _rank())
+        if model.training and nan_here and calls in params.get("nan_at_calls", ()):
             loss = loss * float("nan")
         return StepOutput(loss=loss, num_samples=y.shape[0])
 
