@@ -2,8 +2,8 @@
 
 ``model.params`` choose the fault, counted in training micro-batches of this process
 (``call`` 1 is the first): ``nan_at_calls`` (a NaN loss; only on ``nan_rank`` if given),
-``kill_rank`` + ``kill_at_call``
-+ ``marker`` (SIGKILL this worker once, when the marker file does not exist yet),
+``kill_rank`` + ``kill_at_call`` + ``marker`` (SIGKILL this worker once, when the marker
+file does not exist yet),
 ``hang_rank`` + ``hang_at_call`` (sleep far past any timeout), ``sleep_s`` (slow every
 step down so a test can act mid-run), ``dropout`` (random masks, so resumes must restore
 every rank's RNG to be exact).
