@@ -151,7 +151,8 @@ def _format_plan(env, plan) -> str:
             f"precision   : {plan.precision}"
             + (" + GradScaler" if plan.grad_scaler else "")
             + (", TF32 matmul" if plan.tf32 else ""),
-            f"distributed : {plan.strategy} over {plan.backend}, timeout {plan.timeout_s}s",
+            f"distributed : {plan.strategy} over {plan.backend}, timeout {plan.timeout_s}s, "
+            f"SyncBatchNorm {'on' if plan.sync_batchnorm else 'off'}",
             f"lr          : {plan.lr:.4g} (base {plan.base_lr:.4g}, scaling {plan.lr_scaling}), "
             f"warmup {plan.warmup_steps} steps, cosine to {plan.min_lr_ratio:g}x",
             f"dataloader  : {plan.dataloader_workers} loader processes per worker, "

@@ -235,6 +235,12 @@ class DistributedConfig(_Section):
         False,
         description="Let DDP tolerate parameters that get no gradient, at some speed cost.",
     )
+    sync_batchnorm: Literal["auto"] | bool = Field(
+        "auto",
+        description="Compute BatchNorm statistics over all workers' samples (SyncBatchNorm, "
+        "on GPUs and CPUs); auto turns it on for ddp with more than one worker. Models without "
+        "BatchNorm are unaffected.",
+    )
 
 
 class DataloaderConfig(_Section):

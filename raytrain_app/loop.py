@@ -31,6 +31,7 @@ from raytrain_app.protocol import ModelSpec
 from raytrain_app.rank_zero import is_rank_zero, rank_zero_info, set_rank
 from raytrain_app.sampler import ResumableDistributedSampler
 from raytrain_app.session import RayTrainSession, WorkerSession, scratch_dir
+from raytrain_app.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
 from raytrain_app.workloads import FactoryRef, build_data, build_model
 
 logger = logging.getLogger(__name__)
@@ -208,6 +209,10 @@ class WorkerLoop:
         torch.manual_seed(seed)
         self.spec: ModelSpec = build_model(self.task.model, self.data_info)
         self.module = self.spec.module
+        if plan.sync_batchnorm and has_batchnorm(self.module):
+            # Before DDP wraps it; the converted layers keep BatchNorm's state-dict keys.
+            self.module = convert_sync_batchnorm(self.module, self.device)
+            rank_zero_info(logger, "BatchNorm layers synchronised across workers (SyncBatchNorm)")
         self.model = self.session.prepare_model(
             self.module,
             plan.strategy,

@@ -50,6 +50,7 @@ class TrainingPlan:
     tf32: bool
     backend: str
     strategy: str
+    sync_batchnorm: bool
     timeout_s: int
     lr: float
     base_lr: float
@@ -212,6 +213,17 @@ def choose_strategy(requested: str, use_gpu: bool) -> str:
     return "ddp" if requested == "auto" else requested
 
 
+def choose_sync_batchnorm(requested: str | bool, strategy: str, world_size: int) -> bool:
+    """Whether BatchNorm layers become SyncBatchNorm: ``auto`` for DDP over several workers.
+
+    With one worker there is nothing to sync; FSDP and ``single`` keep plain BatchNorm
+    unless asked explicitly.
+    """
+    if requested == "auto":
+        return strategy == "ddp" and world_size > 1
+    return bool(requested)
+
+
 def scaled_lr(lr: float, rule: str, global_batch: int, base_batch: int | None) -> float:
     """Scale ``lr`` from the batch it was tuned for (``base_batch``) to ``global_batch``."""
     ratio = global_batch / (base_batch or global_batch)
@@ -280,6 +292,7 @@ def make_plan(cfg: RaytrainConfig, env: Environment) -> TrainingPlan:
         tf32=bool(use_gpu and env.gpu and env.gpu.capability >= (8, 0)),
         backend=choose_backend(cfg.distributed.backend, use_gpu),
         strategy=strategy,
+        sync_batchnorm=choose_sync_batchnorm(cfg.distributed.sync_batchnorm, strategy, world_size),
         timeout_s=cfg.distributed.timeout_s,
         lr=scaled_lr(
             cfg.train.lr, cfg.train.lr_scaling, batch.global_batch, cfg.train.base_batch_size
@@ -302,6 +315,7 @@ def resolve_config(cfg: RaytrainConfig, plan: TrainingPlan) -> RaytrainConfig:
     resolved.scaling.use_gpu = plan.use_gpu
     resolved.distributed.strategy = plan.strategy
     resolved.distributed.backend = plan.backend
+    resolved.distributed.sync_batchnorm = plan.sync_batchnorm
     resolved.precision = plan.precision
     resolved.dataloader.num_workers = plan.dataloader_workers
     resolved.dataloader.pin_memory = plan.pin_memory
