@@ -183,9 +183,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     s = result.summary
     final = s["final_metrics"]
     print(f"run directory : {result.run_dir}")
+    # The model's own validation metrics (val_mae, val_accuracy, ...) follow the losses.
+    model_metrics = "".join(
+        f", {key} {value:.4g}"
+        for key, value in final.items()
+        if key.startswith("val_") and key != "val_loss" and isinstance(value, int | float)
+    )
     print(
         f"final         : epoch {final.get('epoch')}, train_loss {final.get('train_loss', 0):.4f}"
-        f", val_loss {final.get('val_loss', 0):.4f}"
+        f", val_loss {final.get('val_loss', 0):.4f}{model_metrics}"
     )
     print(
         f"batch         : effective {s['effective_batch_size']} = {s['world_size']} workers x "

@@ -363,6 +363,9 @@ class WorkerLoop:
         """Train one epoch (or its rest, after a mid-epoch resume); None if stopped early."""
         self.model.train()
         self.sampler.set_epoch(epoch)  # Ray's prepare_data_loader never does this.
+        set_dataset_epoch = getattr(self.sampler.dataset, "set_epoch", None)
+        if set_dataset_epoch is not None:  # optional hook: per-epoch augmentation (protocol.py)
+            set_dataset_epoch(epoch)
         self.loader_generator.manual_seed(_loader_seed(self.cfg.experiment.seed, epoch, self.rank))
         plan = self.plan
         accum = plan.grad_accum_steps

@@ -14,6 +14,18 @@ DataLoaders with a ``DistributedSampler`` and splits the batch. ``info`` carries
 the model needs to size itself (number of features, horizon, normalisation statistics)
 and is saved in every checkpoint, so ``load_model`` can rebuild the model without data.
 
+Epoch hook (optional)::
+
+    def set_epoch(self, epoch: int) -> None
+
+If the training dataset has it, raytrain calls it at the start of every epoch (and of a
+resumed one), before the epoch's first batch is loaded. A dataset that augments in
+``__getitem__`` can seed each sample's random draws from (seed, epoch, index): the
+augmentation is then the same for any world size and exact across mid-epoch resumes.
+``__getitem__`` runs in DataLoader worker processes, which may persist between epochs:
+keep the epoch where they see it (e.g. a shared-memory tensor, as
+``raytrain_app.data.synthetic_images`` does).
+
 Model factory::
 
     def build_model(params: dict, data_info: dict) -> ModelSpec

@@ -16,8 +16,14 @@ from raytrain_app.config import DataConfig, ModelConfig
 from raytrain_app.errors import BadInputError
 from raytrain_app.protocol import DataSplits, ModelSpec
 
-BUILTIN_MODELS = {"wind_transformer": "raytrain_app.models.wind_transformer:build"}
-BUILTIN_DATA = {"synthetic_wind": "raytrain_app.data.parquet_windows:build"}
+BUILTIN_MODELS = {
+    "wind_transformer": "raytrain_app.models.wind_transformer:build",
+    "resnet_small": "raytrain_app.models.resnet_small:build",
+}
+BUILTIN_DATA = {
+    "synthetic_wind": "raytrain_app.data.parquet_windows:build",
+    "synthetic_images": "raytrain_app.data.synthetic_images:build",
+}
 _PARQUET_FACTORY = "raytrain_app.data.parquet_windows:build"
 # The synthetic data fixes its columns; only the windowing stays the user's choice.
 _SYNTHETIC_WINDOW_PARAMS = ("context_length", "horizon", "val_fraction", "stride")
@@ -102,9 +108,12 @@ def check_sources(model: ModelConfig, data: DataConfig) -> None:
 
 def _check_builtin_data(data: DataConfig) -> None:
     """The built-in dataset exists and takes every key of ``data.params``."""
-    from raytrain_app.data import synthetic_wind
+    from raytrain_app.data import synthetic_images, synthetic_wind
 
     _builtin(data.name, BUILTIN_DATA, "data.name")
+    if data.name == "synthetic_images":
+        synthetic_images.check(data.params)
+        return
     allowed = synthetic_wind.GENERATOR_PARAMS + _SYNTHETIC_WINDOW_PARAMS
     _check_params(data.params, allowed, "data")
 
@@ -112,8 +121,9 @@ def _check_builtin_data(data: DataConfig) -> None:
 def prepare_data(data: DataConfig, data_dir: Path, seed: int) -> FactoryRef:
     """Do the driver-side data work once and return what workers call to load the data.
 
-    The synthetic dataset is generated here, once, and cached as Parquet in ``data_dir``;
-    workers then read the file like any user Parquet data.
+    The synthetic wind dataset is generated here, once, and cached as Parquet in
+    ``data_dir``; workers then read the file like any user Parquet data. The synthetic
+    images are generated in memory by every worker (milliseconds), so they need nothing here.
     """
     from raytrain_app.data import parquet_windows, synthetic_wind
 
@@ -125,6 +135,8 @@ def prepare_data(data: DataConfig, data_dir: Path, seed: int) -> FactoryRef:
         path = str(Path(data.path).expanduser().absolute())
         return FactoryRef(_PARQUET_FACTORY, {"path": path, **data.params}, "data.path")
     _check_builtin_data(data)
+    if data.name != "synthetic_wind":
+        return FactoryRef(BUILTIN_DATA[data.name], dict(data.params), "data.name")
     generator = {k: v for k, v in data.params.items() if k in synthetic_wind.GENERATOR_PARAMS}
     windows = {k: v for k, v in data.params.items() if k not in generator}
     path = synthetic_wind.materialize(data_dir, seed=seed, **{**_generator_defaults(), **generator})

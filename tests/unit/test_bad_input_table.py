@@ -341,7 +341,7 @@ CASES = [
     Case(
         "unknown_model_name",
         on_existing("train", "model.name=resnet"),
-        ("model.name='resnet'", "use one of wind_transformer"),
+        ("model.name='resnet'", "use one of resnet_small, wind_transformer"),
     ),
     Case(
         "unimportable_model_target",
