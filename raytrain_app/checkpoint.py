@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from raytrain_app.errors import BadInputError
+from raytrain_app.monitor import best_of_run
 from raytrain_app.protocol import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -225,7 +226,11 @@ def read_meta(directory: Path) -> dict[str, Any]:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """Resolve a checkpoint directory (verified), or a run directory to its newest intact one.
+    """Resolve a checkpoint directory (verified), or a run directory to its best intact one.
+
+    A run directory's best checkpoint is the one with the best ``train.monitor`` (the
+    model to use for inference; a resume always continues from the newest instead); when
+    no checkpoint has the metric, or the best one is damaged, the newest intact one.
 
     Raises:
         DamagedCheckpointError: the named checkpoint directory is damaged.
@@ -236,7 +241,9 @@ def find_checkpoint(path: str | Path) -> Path:
         verify_checkpoint(path, _INFERENCE_FILES)
         return path
     candidates = checkpoints_newest_first(path / "checkpoints")
-    for candidate in candidates:
+    best = best_of_run(path / "checkpoints")
+    ordered = [best.path] if best else []
+    for candidate in ordered + [c for c in candidates if c not in ordered]:
         try:
             verify_checkpoint(candidate, _INFERENCE_FILES)
             return candidate
@@ -288,6 +295,7 @@ def load_model(path: str | Path) -> nn.Module:
     """Rebuild the trained model as a plain ``nn.Module`` on CPU in eval mode.
 
     Args:
-        path: a checkpoint directory, or a run directory (its newest checkpoint is used).
+        path: a checkpoint directory, or a run directory (its best checkpoint by
+            train.monitor is used).
     """
     return load_model_spec(path)[0].module

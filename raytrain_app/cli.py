@@ -114,7 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     predict = commands.add_parser("predict", help="single-device inference from a checkpoint")
     predict.add_argument(
-        "--checkpoint", required=True, metavar="PATH", help="checkpoint directory or run directory"
+        "--checkpoint",
+        required=True,
+        metavar="PATH",
+        help="checkpoint directory, or run directory (its best checkpoint by train.monitor)",
     )
     predict.add_argument(
         "--input",
@@ -199,6 +202,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     )
     print(f"throughput    : {s['samples_per_s']:.0f} samples/s; wall time {s['wall_time_s']:.1f} s")
     print(f"checkpoint    : {s['checkpoint']}")
+    best = s.get("best_metric")
+    if best:
+        print(
+            f"best          : {s['best_checkpoint']} ({best['metric']} {best['value']:.4f}, "
+            f"epoch {best['epoch']})"
+        )
     return 0
 
 

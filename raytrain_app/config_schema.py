@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from raytrain_app.errors import BadInputError
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+_MONITOR = re.compile(r"(train|val)_\w+")
 _TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -195,8 +196,29 @@ class TrainConfig(_Section):
         "checkpoint of it is written), or skip that optimizer step and count it.",
     )
     keep_checkpoints: PositiveInt | None = Field(
-        2, description="Number of newest checkpoints to keep; null keeps all of them."
+        2,
+        description="Number of best checkpoints (ranked by monitor and mode) to keep, plus "
+        "always the newest one, which a resume needs; null keeps all of them.",
     )
+    monitor: str = Field(
+        "val_loss",
+        description="Epoch metric that ranks checkpoints: train_loss, val_loss, or train_/val_ "
+        "followed by a metric the model's step returns (e.g. val_mae).",
+    )
+    mode: Literal["min", "max"] = Field(
+        "min", description="Whether a smaller or a larger monitor value is better."
+    )
+
+    @field_validator("monitor")
+    @classmethod
+    def _epoch_metric(cls, value: str) -> str:
+        """Only train_* and val_* columns are per-epoch model metrics worth ranking by."""
+        if not _MONITOR.fullmatch(value):
+            raise ValueError(
+                "must name an epoch metric: train_loss, val_loss, or train_/val_ followed by a "
+                "metric the model's step returns (e.g. val_mae)"
+            )
+        return value
 
 
 class ScalingConfig(_Section):

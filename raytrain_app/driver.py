@@ -32,6 +32,7 @@ from raytrain_app.environment import (
 from raytrain_app.errors import BadInputError, RunFailedError, RunStoppedError
 from raytrain_app.loop import WorkerTask, train_worker
 from raytrain_app.metrics_log import read_metrics
+from raytrain_app.monitor import SCORE_KEY, best_checkpoint, check_monitor_on_one_batch
 from raytrain_app.plan import TrainingPlan, make_plan, resolve_config, steps_per_epoch
 from raytrain_app.progress import DriverProgress
 from raytrain_app.reachability import check_reachable
@@ -51,7 +52,14 @@ class TrainResult:
 
     @property
     def checkpoint(self) -> Path:
+        """The newest checkpoint (what a resume continues from)."""
         return Path(self.summary["checkpoint"])
+
+    @property
+    def best_checkpoint(self) -> Path | None:
+        """The best checkpoint by train.monitor / train.mode (what inference should use)."""
+        best = self.summary.get("best_checkpoint")
+        return Path(best) if best else None
 
 
 @contextmanager
@@ -112,7 +120,8 @@ def preflight(cfg: RaytrainConfig, run_dir: RunDirectory, plan: TrainingPlan) ->
     """
     data_ref = prepare_data(cfg.data, run_dir.data, cfg.experiment.seed)
     splits = _checked("data", build_data, data_ref, cfg.experiment.seed)
-    _checked("model", build_model, model_factory(cfg.model), dict(splits.info))
+    spec = _checked("model", build_model, model_factory(cfg.model), dict(splits.info))
+    check_monitor_on_one_batch(cfg.train.monitor, spec, splits.val)
     steps_per_epoch(len(splits.train), plan.effective_batch_size)
     return data_ref
 
@@ -211,7 +220,12 @@ def _run_trainer(
         name=cfg.experiment.name,
         storage_path=str(run_dir.checkpoints),
         failure_config=ray.train.FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
-        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+        # Ray keeps the keep_checkpoints best by SCORE_KEY and always the newest as well.
+        checkpoint_config=ray.train.CheckpointConfig(
+            num_to_keep=cfg.train.keep_checkpoints,
+            checkpoint_score_attribute=SCORE_KEY,
+            checkpoint_score_order="max",
+        ),
         # Ray Train's per-report INFO lines would drown raytrain's own epoch lines.
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
     )
@@ -268,6 +282,15 @@ def _summary(result: ray.train.Result, plan: TrainingPlan, wall: float) -> dict[
     }
 
 
+def _best_summary(run_dir: RunDirectory, cfg: RaytrainConfig) -> dict[str, Any]:
+    """``best_checkpoint`` and its monitored value (``best_metric``) for summary.json."""
+    best = best_checkpoint(run_dir.checkpoints, cfg.train.monitor, cfg.train.mode)
+    return {
+        "best_checkpoint": str(best.path) if best else None,
+        "best_metric": best.to_summary() if best else None,
+    }
+
+
 def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = True) -> TrainResult:
     """Train ``cfg`` with DDP on Ray; resumes the run of the same name and config if any.
 
@@ -303,6 +326,7 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
         except ray.train.TrainingFailedError as exc:
             raise user_facing_error(exc, plan.timeout_s) from exc
     summary = _summary(result, plan, time.perf_counter() - start)
+    summary.update(_best_summary(run_dir, resolved))
     run_dir.write_summary(summary)
     if summary["status"] == "stopped":
         raise RunStoppedError(

@@ -26,6 +26,7 @@ from raytrain_app.config import RaytrainConfig, config_from_dict
 from raytrain_app.errors import RunFailedError
 from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
 from raytrain_app.metrics_log import MetricsLog
+from raytrain_app.monitor import SCORE_KEY, check_monitor, checkpoint_score
 from raytrain_app.plan import TrainingPlan, lr_factor, steps_per_epoch
 from raytrain_app.protocol import ModelSpec
 from raytrain_app.rank_zero import is_rank_zero, rank_zero_info, set_rank
@@ -159,6 +160,7 @@ class WorkerLoop:
         self._resumed_epoch: dict[str, Any] | None = None  # this rank's mid-epoch sums
         self._stop = False  # the driver asked for a checkpoint and a stop
         self._last_stop_poll = 0.0
+        self._monitor_checked = False
 
     def run(self) -> dict[str, Any]:
         setup_logging(self.task.log_level)
@@ -383,6 +385,9 @@ class WorkerLoop:
                         out = self.spec.step(self.model, next(batches))
                     self.scaler.scale(out.loss / accum).backward()
                 micro_results.append(({"loss": out.loss, **out.metrics}, out.num_samples))
+            if not self._monitor_checked:  # the first step tells which metrics the model has
+                check_monitor(self.cfg.train.monitor, list(out.metrics))
+                self._monitor_checked = True
             self._metric_names = list(out.metrics)
             nonfinite, self._stop = self._agree_after_step(micro_results)
             if nonfinite:
@@ -530,8 +535,11 @@ class WorkerLoop:
         per_rank = {"rng": ckpt.rng_state(), "epoch": progress.to_dict()} if due else None
         ranks = _gather(per_rank, self.world_size) if due else None
         name = ckpt.checkpoint_name(self.state.epoch, self.state.step) if due else None
+        # Ray ranks checkpoints by this score (train.monitor / train.mode); see monitor.py.
+        train = self.cfg.train
+        reported = {**row, SCORE_KEY: checkpoint_score(row, train.monitor, train.mode)}
         if not (due and is_rank_zero()):
-            self.session.report(row, None, name)
+            self.session.report(reported, None, name)
             return
         with scratch_dir() as directory:
             ckpt.save_checkpoint(
@@ -558,7 +566,7 @@ class WorkerLoop:
                     "metrics": row,
                 },
             )
-            self.session.report(row, directory, name)
+            self.session.report(reported, directory, name)
 
 
 def _loader_seed(seed: int, epoch: int, rank: int) -> int:

@@ -56,7 +56,8 @@ class RunDirectory:
         an earlier run's results are never overwritten.
         """
         if not self.exists():
-            if self.root.exists() and any(self.root.iterdir()):
+            # Only the data cache: a run that failed its checks before it started.
+            if self.root.exists() and any(p != self.data for p in self.root.iterdir()):
                 raise BadInputError(
                     f"run directory '{self.root}' exists but holds no raytrain run "
                     f"(no config.yaml); choose another experiment.name or experiment.output_dir"

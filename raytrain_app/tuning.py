@@ -34,6 +34,7 @@ from raytrain_app.driver import ray_session
 from raytrain_app.environment import Environment, Resources, detect_environment
 from raytrain_app.errors import RunFailedError
 from raytrain_app.loop import WorkerLoop, WorkerTask
+from raytrain_app.monitor import SCORE_KEY
 from raytrain_app.plan import available_devices, choose_use_gpu, make_plan, resolve_config
 from raytrain_app.run_directory import RunDirectory
 from raytrain_app.search_space import build_search_space, trial_config
@@ -175,7 +176,12 @@ def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environ
         name=_EXPERIMENT_DIR,
         storage_path=str(run_dir.root),
         failure_config=tune.FailureConfig(max_failures=cfg.tune.max_failures),
-        checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+        # The best keep_checkpoints by train.monitor / train.mode, and always the newest.
+        checkpoint_config=tune.CheckpointConfig(
+            num_to_keep=cfg.train.keep_checkpoints,
+            checkpoint_score_attribute=SCORE_KEY,
+            checkpoint_score_order="max",
+        ),
     )
     logger.info(
         "sweep of %s with up to %d concurrent single-worker trials", ", ".join(space), concurrency
