@@ -22,6 +22,7 @@ from benchmarks.common import interleave, median
 from benchmarks.context import Context
 from benchmarks.plain_loop import intra_op_threads
 from benchmarks.workload import GLOBAL_BATCH, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, Workload
+from raytrain_app.protocol import collate
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ def loop_py_loader(train_set: Any) -> DataLoader:
         drop_last=True,
         num_workers=0,
         pin_memory=False,
+        collate_fn=collate,
     )
 
 

@@ -11,10 +11,11 @@ The Python API mirrors the CLI::
 from raytrain_app.checkpoint import load_model
 from raytrain_app.config import ConfigError, RaytrainConfig, config_from_dict, load_config
 from raytrain_app.errors import BadInputError, RunFailedError
-from raytrain_app.protocol import DataSplits, ModelSpec, StepOutput
+from raytrain_app.protocol import CollatedBatch, DataSplits, ModelSpec, StepOutput
 
 __all__ = [
     "BadInputError",
+    "CollatedBatch",
     "ConfigError",
     "DataSplits",
     "ModelSpec",

@@ -28,7 +28,7 @@ from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_loggin
 from raytrain_app.metrics_log import MetricsLog
 from raytrain_app.monitor import SCORE_KEY, check_monitor, checkpoint_score
 from raytrain_app.plan import TrainingPlan, lr_factor, steps_per_epoch
-from raytrain_app.protocol import ModelSpec
+from raytrain_app.protocol import ModelSpec, collate
 from raytrain_app.rank_zero import is_rank_zero, rank_zero_info, set_rank
 from raytrain_app.sampler import ResumableDistributedSampler
 from raytrain_app.session import RayTrainSession, WorkerSession, scratch_dir
@@ -256,6 +256,8 @@ class WorkerLoop:
         loader_kwargs: dict[str, Any] = {
             "num_workers": plan.dataloader_workers,
             "pin_memory": plan.pin_memory,
+            # Takes a dataset's batched __getitems__ result as is (see protocol.py).
+            "collate_fn": collate,
         }
         if plan.dataloader_workers > 0:
             loader_kwargs["persistent_workers"] = self.cfg.dataloader.persistent_workers

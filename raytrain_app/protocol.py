@@ -40,17 +40,24 @@ Step function::
 ``loss`` is the mean over the batch's samples (what ``backward`` sees); ``metrics`` are
 extra per-sample means (e.g. ``mae``). raytrain turns both into exact global values over
 all workers by weighting with ``num_samples``. Batches arrive on the training device.
+
+Batched fetching (optional)::
+
+    def __getitems__(self, indices: list[int]) -> CollatedBatch
+
+A dataset may gather a whole batch at once and return it as a ``CollatedBatch``;
+raytrain's loaders then use it as is instead of collating one sample at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 
 @dataclass(frozen=True)
@@ -101,3 +108,38 @@ class DataSplits:
     train: Dataset
     val: Dataset
     info: Mapping[str, Any] = field(default_factory=dict)
+
+
+class CollatedBatch(Sequence):
+    """A batch that a dataset's ``__getitems__`` built in one go, e.g. by one gather.
+
+    ``fields`` is what torch's default collate makes of tuple samples: one batched tensor
+    per field. raytrain's loaders (``collate``) pass it on unchanged; a DataLoader with the
+    default collate sees a sequence of per-sample tuples and stacks them into equal tensors.
+    """
+
+    def __init__(self, fields: list[torch.Tensor]) -> None:
+        self.fields = fields
+        self._samples: list[tuple[torch.Tensor, ...]] | None = None
+
+    def samples(self) -> list[tuple[torch.Tensor, ...]]:
+        """The per-sample views, made once on first use (only the default collate asks)."""
+        if self._samples is None:
+            self._samples = list(zip(*(tensor.unbind(0) for tensor in self.fields), strict=True))
+        return self._samples
+
+    def __len__(self) -> int:
+        return len(self.fields[0])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return self.samples()[index]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        return iter(self.samples())
+
+
+def collate(samples: Any) -> Any:
+    """raytrain's DataLoader collate: a ``CollatedBatch`` as is, anything else as torch's."""
+    if isinstance(samples, CollatedBatch):
+        return samples.fields
+    return default_collate(samples)

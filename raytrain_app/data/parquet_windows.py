@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from raytrain_app.errors import BadInputError
-from raytrain_app.protocol import DataSplits
+from raytrain_app.protocol import CollatedBatch, DataSplits
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class WindowDataset(Dataset):
         self.starts = starts
         self.context_length = context_length
         self.horizon = horizon
+        # Row offsets of one window's x and y from its start, for batched gathers.
+        self._x_rows = torch.arange(context_length)
+        self._y_rows = torch.arange(context_length, context_length + horizon)
 
     def __len__(self) -> int:
         return int(self.starts.shape[0])
@@ -77,6 +80,18 @@ class WindowDataset(Dataset):
         end = start + self.context_length
         # Views, not copies: the DataLoader's collate makes the only copy, into the batch.
         return self.inputs[start:end], self.targets[end : end + self.horizon]
+
+    def __getitems__(self, indices: list[int]) -> CollatedBatch:
+        """The windows at ``indices`` as one batch: ``x`` ``[B, context_length, num_features]``
+        and ``y`` ``[B, horizon]``, equal to stacking ``__getitem__``'s samples.
+
+        One gather per tensor instead of a slice per sample and a stack: the DataLoader
+        calls this for every batch when it exists.
+        """
+        starts = self.starts[torch.as_tensor(indices, dtype=torch.long)][:, None]
+        return CollatedBatch(
+            [self.inputs[starts + self._x_rows], self.targets[starts + self._y_rows]]
+        )
 
 
 def resolve_paths(path: PathLike | Sequence[PathLike]) -> list[Path]:

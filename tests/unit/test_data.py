@@ -10,9 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from torch.utils.data import DataLoader, default_collate
 
 from raytrain_app.data import parquet_windows as pw
 from raytrain_app.data import synthetic_wind as sw
+from raytrain_app.protocol import collate
 
 
 def _windows(path, **kwargs):
@@ -325,3 +327,37 @@ def test_an_unreadable_file_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(pw.pq, "read_schema", denied)
     with pytest.raises(ValueError, match=r"Data file '.*s\.parquet' cannot be read \(permission"):
         pw.build_windows(path, **_series_kwargs())
+
+
+def _per_sample_loader(dataset, **kwargs):
+    """A DataLoader that fetches and collates one sample at a time, as before __getitems__."""
+    per_sample = torch.utils.data.Subset(dataset, range(len(dataset)))
+    per_sample.__getitems__ = None  # the fetcher then calls __getitem__ per index
+    return DataLoader(per_sample, **kwargs)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_batched_fetch_equals_per_sample_fetch(tmp_path, num_workers):
+    path = _write_series(tmp_path / "s.parquet", {"a": 40, "b": 44})
+    train = pw.build_windows(path, **_series_kwargs(stride=1)).train
+    sampler = torch.randperm(len(train), generator=torch.Generator().manual_seed(3)).tolist()
+    kwargs = dict(batch_size=4, sampler=sampler, drop_last=True, num_workers=num_workers)
+    expected = list(_per_sample_loader(train, **kwargs))
+    # raytrain's loaders take the gathered batch as is; a default-collate loader stacks it.
+    for loader in (DataLoader(train, collate_fn=collate, **kwargs), DataLoader(train, **kwargs)):
+        batches = list(loader)
+        assert len(batches) == len(expected) == len(train) // 4
+        for got, want in zip(batches, expected, strict=True):
+            assert type(got) is type(want) is list
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == b.dtype and a.is_contiguous()
+                assert torch.equal(a, b)
+
+
+def test_batched_fetch_through_a_subset(tmp_path):
+    path = _write_series(tmp_path / "s.parquet", {"a": 40})
+    val = pw.build_windows(path, **_series_kwargs(stride=1, val_fraction=0.5)).val
+    shard = torch.utils.data.Subset(val, range(1, len(val), 2))  # the loop's validation shard
+    batch = collate(shard.__getitems__([0, 2, 1]))
+    for got, want in zip(batch, default_collate([shard[0], shard[2], shard[1]]), strict=True):
+        assert torch.equal(got, want)
