@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _kept(keep: int | None) -> str:
+    return "every checkpoint, best" if keep is None else f"the {keep} best"
+
+
 def _format_plan(env, plan) -> str:
     r = env.resources
     gpu = (
@@ -160,6 +164,9 @@ def _format_plan(env, plan) -> str:
             f"warmup {plan.warmup_steps} steps, cosine to {plan.min_lr_ratio:g}x",
             f"dataloader  : {plan.dataloader_workers} loader processes per worker, "
             f"pin_memory {plan.pin_memory}",
+            f"checkpoints : keep {_kept(plan.keep_checkpoints)} by {plan.monitor} "
+            f"({plan.monitor_mode}) and always the newest; a resume continues from the newest",
+            "tracking    : metrics.csv (rank 0)" + "".join(f", {name}" for name in plan.tracking),
         ]
     )
 

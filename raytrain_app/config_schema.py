@@ -328,6 +328,42 @@ class TuneConfig(_Section):
     )
 
 
+class TrackingConfig(_Section):
+    """Where rank 0 logs metrics besides metrics.csv, and the loss plot."""
+
+    tensorboard: bool = Field(
+        True,
+        description="Write TensorBoard event files (tensorboardX) to tensorboard/ in the run "
+        "directory.",
+    )
+    mlflow: bool = Field(
+        False,
+        description="Log to MLflow, by default to a file store in mlruns/ in the run directory; "
+        "needs the mlflow extra.",
+    )
+    mlflow_tracking_uri: NonEmptyStr | None = Field(
+        None,
+        description="MLflow tracking URI (a server or a database); null: the file store in the "
+        "run directory.",
+    )
+    wandb: bool = Field(
+        False,
+        description="Log to Weights & Biases in offline mode, in wandb/ in the run directory "
+        "(upload later with 'wandb sync'); needs the wandb extra.",
+    )
+    wandb_project: NonEmptyStr = Field("raytrain", description="W&B project of the run.")
+    log_every_steps: PositiveInt = Field(
+        10,
+        description="Log rank 0's step loss and the lr every this many optimizer steps; epoch "
+        "metrics are logged at every epoch's end.",
+    )
+    loss_plot: bool = Field(
+        True,
+        description="Draw train and val loss per epoch into loss.png in the run directory at the "
+        "end of the run (needs matplotlib: the plot extra).",
+    )
+
+
 class RaytrainConfig(_Section):
     """The complete configuration of a training run or sweep."""
 
@@ -359,4 +395,7 @@ class RaytrainConfig(_Section):
     )
     tune: TuneConfig = Field(
         default_factory=TuneConfig, description="Hyperparameter sweep settings."
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="Experiment tracking and the loss plot."
     )

@@ -37,6 +37,7 @@ from raytrain_app.plan import TrainingPlan, make_plan, resolve_config, steps_per
 from raytrain_app.progress import DriverProgress
 from raytrain_app.reachability import check_reachable
 from raytrain_app.run_directory import RunDirectory
+from raytrain_app.tracking import check_tracking_installed, write_loss_plot
 from raytrain_app.workloads import FactoryRef, build_data, build_model, model_factory, prepare_data
 
 logger = logging.getLogger(__name__)
@@ -299,6 +300,7 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
         RunFailedError: the run started and failed.
     """
     start = time.perf_counter()
+    check_tracking_installed(cfg)
     env = detect_environment()
     if not (address or env.ray_address or ray.is_initialized()):
         # Ray will run on this machine: plan against it first, so bad input fails in a
@@ -328,6 +330,8 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
     summary = _summary(result, plan, time.perf_counter() - start)
     summary.update(_best_summary(run_dir, resolved))
     run_dir.write_summary(summary)
+    if resolved.tracking.loss_plot:
+        write_loss_plot(run_dir.root, read_metrics(run_dir.root))
     if summary["status"] == "stopped":
         raise RunStoppedError(
             f"stopped on request ({stop_signal}) after {summary['epochs_completed']} complete "

@@ -33,6 +33,7 @@ from raytrain_app.rank_zero import is_rank_zero, rank_zero_info, set_rank
 from raytrain_app.sampler import ResumableDistributedSampler
 from raytrain_app.session import RayTrainSession, WorkerSession, scratch_dir
 from raytrain_app.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
+from raytrain_app.tracking import Tracker, open_tracker
 from raytrain_app.workloads import FactoryRef, build_data, build_model
 
 logger = logging.getLogger(__name__)
@@ -160,9 +161,19 @@ class WorkerLoop:
         self._resumed_epoch: dict[str, Any] | None = None  # this rank's mid-epoch sums
         self._stop = False  # the driver asked for a checkpoint and a stop
         self._last_stop_poll = 0.0
+        self.tracker = Tracker()  # rank 0's TensorBoard / MLflow / W&B, opened in _run
         self._monitor_checked = False
 
     def run(self) -> dict[str, Any]:
+        failed = True
+        try:
+            result = self._run()
+            failed = False
+            return result
+        finally:
+            self.tracker.close(failed=failed)
+
+    def _run(self) -> dict[str, Any]:
         setup_logging(self.task.log_level)
         quiet_ray_train_worker_logs()
         set_rank(self.rank)
@@ -172,6 +183,9 @@ class WorkerLoop:
         metrics_log = (
             MetricsLog(Path(self.task.run_dir), self.state.epoch) if is_rank_zero() else None
         )
+        self.tracker = open_tracker(
+            self.cfg, Path(self.task.run_dir), self.state.step, is_rank_zero()
+        )
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             row = self.train_epoch(epoch)
             if row is None:  # stopped mid-epoch on request, checkpoint written
@@ -180,6 +194,7 @@ class WorkerLoop:
             self.state.epoch, self.state.history = epoch + 1, [*self.state.history, row]
             if metrics_log:
                 metrics_log.append(row)
+            self.tracker.log_epoch(self.state.step, row)
             rank_zero_info(
                 logger,
                 "epoch %d/%d: %s",
@@ -400,6 +415,9 @@ class WorkerLoop:
                     progress.averages.add(values, num_samples)
                 self._optimizer_step()
             self.state.step_in_epoch = step_in_epoch + 1
+            if self.tracker.due(self.state.step):
+                lr = self.scheduler.get_last_lr()[0]
+                self.tracker.log_step(self.state.step, {"loss": float(out.loss.detach()), "lr": lr})
             now = time.perf_counter()
             if (
                 self.task.progress is not None

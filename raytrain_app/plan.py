@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.environment import Environment, GpuInfo
 from raytrain_app.errors import BadInputError
+from raytrain_app.tracking import enabled_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ class TrainingPlan:
     gpus_per_worker: float
     dataloader_workers: int
     pin_memory: bool
+    keep_checkpoints: int | None  # the best N by monitor / monitor_mode, plus the newest
+    monitor: str
+    monitor_mode: str
+    tracking: tuple[str, ...]  # outputs besides metrics.csv (tensorboard, mlflow, ...)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -305,6 +310,10 @@ def make_plan(cfg: RaytrainConfig, env: Environment) -> TrainingPlan:
         gpus_per_worker=cfg.scaling.gpus_per_worker if use_gpu else 0.0,
         dataloader_workers=loader_workers(cfg, env, use_gpu),
         pin_memory=use_gpu if loader.pin_memory == "auto" else loader.pin_memory,
+        keep_checkpoints=cfg.train.keep_checkpoints,
+        monitor=cfg.train.monitor,
+        monitor_mode=cfg.train.mode,
+        tracking=tuple(enabled_outputs(cfg)),
     )
 
 

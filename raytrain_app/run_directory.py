@@ -12,7 +12,7 @@ from raytrain_app.config import ConfigError, RaytrainConfig, diff_configs, load_
 from raytrain_app.errors import BadInputError
 
 # Keys that do not change what is trained, so they may differ when resuming.
-_RESUMABLE_DIFFERENCES = ("fault_tolerance",)
+_RESUMABLE_DIFFERENCES = ("fault_tolerance", "tracking")
 
 
 @dataclass(frozen=True)

@@ -60,8 +60,15 @@ class TuneResult:
 
 
 def single_worker(cfg: RaytrainConfig) -> RaytrainConfig:
-    """The trial's execution config: one unwrapped worker, the rest as sampled."""
-    return config_with_values(cfg, {"scaling.num_workers": 1, "distributed.strategy": "single"})
+    """The trial's execution config: one unwrapped worker, the rest as sampled.
+
+    Tune logs every trial itself (TensorBoard, CSV, JSON in its trial folders), so
+    raytrain's own trackers stay off in trials.
+    """
+    no_tracking = {f"tracking.{key}": False for key in ("tensorboard", "mlflow", "wandb")}
+    return config_with_values(
+        cfg, {"scaling.num_workers": 1, "distributed.strategy": "single", **no_tracking}
+    )
 
 
 def trial_environment(env: Environment, cfg: RaytrainConfig, use_gpu: bool) -> Environment:

@@ -109,7 +109,9 @@ def test_only_rank_zero_wrote_files(runs):
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     assert not [f for f in files if f.endswith(".tmp")], files
     top_level = {f for f in files if "/" not in f}
-    assert top_level == {"config.yaml", "metrics.csv", "summary.json"}
+    assert top_level == {"config.yaml", "metrics.csv", "summary.json", "loss.png"}
+    # TensorBoard (on by default): one event file, rank 0's
+    assert len([f for f in files if f.startswith("tensorboard/events.out.tfevents.")]) == 1
     checkpoints = sorted({Path(f).parent for f in files if f.endswith(MODEL_FILE)})
     assert len(checkpoints) == 2  # train.keep_checkpoints default
     for directory in checkpoints:
