@@ -12,7 +12,7 @@ import yaml
 from torch import nn
 
 import raytrain_app as rt
-from raytrain_app.checkpoint import MODEL_FILE, read_meta
+from raytrain_app.checkpoint import MODEL_FILE, find_checkpoint, read_meta
 from raytrain_app.cli import main
 from raytrain_app.models.resnet_small import ResNetSmall
 from raytrain_app.workloads import FactoryRef, build_data
@@ -116,11 +116,11 @@ def test_checkpoint_of_a_synced_model_loads_into_plain_batchnorm(runs):
 
 
 def test_predict_classifies_the_validation_images(runs, tmp_path):
-    output = tmp_path / "predictions.parquet"
-    assert (
-        main(["predict", "--checkpoint", str(runs["synced"].run_dir), "--output", str(output)]) == 0
-    )
+    output, run_dir = tmp_path / "predictions.parquet", runs["synced"].run_dir
+    assert main(["predict", "--checkpoint", str(run_dir), "--output", str(output)]) == 0
     table = pq.read_table(output).to_pydict()
     assert set(table) == {"pred_0", "true_0"} and len(table["pred_0"]) == 201
     correct = sum(p == t for p, t in zip(table["pred_0"], table["true_0"], strict=True))
-    assert correct / 201 == pytest.approx(runs["synced"].metrics[-1]["val_accuracy"])
+    # A run directory predicts with its best checkpoint: the accuracy that one reported.
+    reported = read_meta(find_checkpoint(run_dir))["metrics"]["val_accuracy"]
+    assert correct / 201 == pytest.approx(reported)
