@@ -6,6 +6,8 @@ A checkpoint directory holds:
   loadable into the bare ``nn.Module`` on any device;
 - ``train_state.pt``: optimizer, scheduler, GradScaler, epoch, step and every rank's RNG
   states, everything an exact resume needs;
+- ``ema.pt`` (only with ``train.ema.enabled``): the exponential moving average of the
+  weights, a ``state_dict`` of the same plain model;
 - ``meta.json``: the model factory and params, the data info the model was sized from,
   and the resolved run config, so ``load_model`` needs nothing but the directory;
 - ``manifest.json``, written last: every other file's size and SHA-256. A checkpoint
@@ -38,6 +40,7 @@ MODEL_FILE = "model.pt"
 TRAIN_STATE_FILE = "train_state.pt"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
+EMA_FILE = "ema.pt"
 
 
 def checkpoint_name(epoch: int, step: int) -> str:
@@ -163,10 +166,13 @@ def save_checkpoint(
     model: nn.Module,
     train_state: dict[str, Any],
     meta: dict[str, Any],
+    ema: nn.Module | None = None,
 ) -> Path:
     """Write a checkpoint into ``directory`` (created if needed), manifest last."""
     directory.mkdir(parents=True, exist_ok=True)
     _atomic_torch_save(unwrap_model(model).state_dict(), directory / MODEL_FILE)
+    if ema is not None:
+        _atomic_torch_save(unwrap_model(ema).state_dict(), directory / EMA_FILE)
     _atomic_torch_save(train_state, directory / TRAIN_STATE_FILE)
     (directory / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
     write_manifest(directory)
@@ -271,18 +277,35 @@ def _state_dict_mismatch(expected: dict[str, Any], found: dict[str, Any]) -> str
     )
 
 
-def load_model_spec(path: str | Path) -> tuple[ModelSpec, dict[str, Any]]:
-    """The trained model's ``ModelSpec`` (weights loaded, CPU, eval mode) and its metadata."""
+def _weights_file(directory: Path, weights: str) -> str:
+    if weights not in ("auto", "ema", "raw"):
+        raise BadInputError(f"weights='{weights}' is not one of auto, ema, raw")
+    has_ema = (directory / EMA_FILE).is_file()
+    if weights == "ema" and not has_ema:
+        raise BadInputError(
+            f"checkpoint '{directory}' has no EMA weights ({EMA_FILE}); train with "
+            f"train.ema.enabled=true, or load weights='raw'"
+        )
+    return EMA_FILE if has_ema and weights != "raw" else MODEL_FILE
+
+
+def load_model_spec(path: str | Path, weights: str = "auto") -> tuple[ModelSpec, dict[str, Any]]:
+    """The trained model's ``ModelSpec`` (weights loaded, CPU, eval mode) and its metadata.
+
+    ``weights``: ``ema`` (the moving average), ``raw`` (the optimizer's weights) or ``auto``
+    (the EMA when the run kept one: the weights its validation metrics were measured on).
+    """
     from raytrain_app.workloads import FactoryRef, build_model
 
     directory = find_checkpoint(path)
+    weights_file = _weights_file(directory, weights)
     meta = read_meta(directory)
     spec = build_model(FactoryRef(**meta["model_factory"]), meta["data_info"])
-    state = torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True)
+    state = torch.load(directory / weights_file, map_location="cpu", weights_only=True)
     problem = _state_dict_mismatch(spec.module.state_dict(), state)
     if problem:
         raise BadInputError(
-            f"checkpoint '{directory}': {MODEL_FILE} does not fit the model its {META_FILE} "
+            f"checkpoint '{directory}': {weights_file} does not fit the model its {META_FILE} "
             f"describes ({problem}); pass a checkpoint directory written by raytrain for "
             f"this model"
         )
@@ -291,11 +314,13 @@ def load_model_spec(path: str | Path) -> tuple[ModelSpec, dict[str, Any]]:
     return spec, meta
 
 
-def load_model(path: str | Path) -> nn.Module:
+def load_model(path: str | Path, weights: str = "auto") -> nn.Module:
     """Rebuild the trained model as a plain ``nn.Module`` on CPU in eval mode.
 
     Args:
         path: a checkpoint directory, or a run directory (its best checkpoint by
             train.monitor is used).
+        weights: ``"ema"``, ``"raw"``, or ``"auto"``: the EMA of the weights when the run
+            kept one (``train.ema.enabled``), else the raw weights.
     """
-    return load_model_spec(path)[0].module
+    return load_model_spec(path, weights)[0].module

@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
 def _kept(keep: int | None) -> str:
     return "every checkpoint, best" if keep is None else f"the {keep} best"
 
@@ -154,12 +158,28 @@ def _format_plan(env, plan) -> str:
             + (f", {plan.gpus_per_worker:g} GPU" if plan.use_gpu else "")
             + " each)",
             f"batch       : {plan.per_worker_batch_size} per worker x {plan.world_size} workers x "
-            f"{plan.grad_accum_steps} accumulation = {plan.effective_batch_size} effective",
+            f"{plan.grad_accum_steps} accumulation = {plan.effective_batch_size} effective"
+            + (", micro-batch probed on the GPUs at start" if plan.memory_probe else ""),
             f"precision   : {plan.precision}"
             + (" + GradScaler" if plan.grad_scaler else "")
             + (", TF32 matmul" if plan.tf32 else ""),
             f"distributed : {plan.strategy} over {plan.backend}, timeout {plan.timeout_s}s, "
-            f"SyncBatchNorm {'on' if plan.sync_batchnorm else 'off'}",
+            f"SyncBatchNorm {'on' if plan.sync_batchnorm else 'off'}, "
+            f"gradient compression {plan.grad_compression}",
+            f"speed/memory: torch.compile {_on(plan.compile)}, fused optimizer "
+            f"{_on(plan.fused_optimizer)}, gradient checkpointing "
+            + (
+                "auto (on if the probed micro-batch is too small)"
+                if plan.gradient_checkpointing_auto
+                else _on(plan.gradient_checkpointing)
+            ),
+            "weights     : "
+            + (
+                f"EMA with decay {plan.ema_decay:g} from step {plan.ema_start_step}, "
+                "used for validation"
+                if plan.ema_decay is not None
+                else "no EMA"
+            ),
             f"lr          : {plan.lr:.4g} (base {plan.base_lr:.4g}, scaling {plan.lr_scaling}), "
             f"warmup {plan.warmup_steps} steps, cosine to {plan.min_lr_ratio:g}x",
             f"dataloader  : {plan.dataloader_workers} loader processes per worker, "

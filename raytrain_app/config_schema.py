@@ -139,6 +139,18 @@ class DataConfig(_OneSource):
     )
 
 
+class EmaConfig(_Section):
+    """An exponential moving average of the weights, used for validation when enabled."""
+
+    enabled: bool = Field(False, description="Keep an EMA of the weights and validate with it.")
+    decay: float = Field(
+        0.999, gt=0, lt=1, description="Weight of the old average at each optimizer step."
+    )
+    start_step: NonNegativeInt = Field(
+        0, description="Optimizer steps before averaging starts (the EMA copies the weights)."
+    )
+
+
 class TrainConfig(_Section):
     """Optimisation: epochs, batch size, learning-rate schedule, optimizer and checkpoints."""
 
@@ -147,10 +159,11 @@ class TrainConfig(_Section):
         64,
         description="Effective batch size per optimizer step, the same for any number of workers.",
     )
-    max_batch_per_worker: PositiveInt | None = Field(
+    max_batch_per_worker: Literal["auto"] | PositiveInt | None = Field(
         None,
         description="Largest micro-batch one worker may hold in memory; above it gradient "
-        "accumulation is used.",
+        "accumulation keeps global_batch_size. auto probes the GPU (forward and backward of "
+        "the real model) at start; null or auto on CPUs: no cap.",
     )
     lr: PositiveFloat = Field(
         1e-3, description="Peak learning rate, before any lr_scaling is applied."
@@ -189,6 +202,9 @@ class TrainConfig(_Section):
         None,
         description="Also save a checkpoint every this many optimizer steps, mid-epoch; a "
         "resume continues at the exact next batch. null: epoch checkpoints only.",
+    )
+    ema: EmaConfig = Field(
+        default_factory=EmaConfig, description="Exponential moving average of the weights."
     )
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop",
@@ -257,11 +273,40 @@ class DistributedConfig(_Section):
         False,
         description="Let DDP tolerate parameters that get no gradient, at some speed cost.",
     )
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none",
+        description="DDP communication hook for gradients: fp16/bf16 halve the bytes (nccl "
+        "only), powersgd sends low-rank factors (any backend); once per optimizer step.",
+    )
+    powersgd_rank: PositiveInt = Field(
+        1, description="Rank of PowerSGD's low-rank approximation; higher is more exact."
+    )
+    start_powersgd_iter: int = Field(
+        10,
+        ge=2,
+        description="Optimizer steps of plain all-reduce before PowerSGD starts.",
+    )
     sync_batchnorm: Literal["auto"] | bool = Field(
         "auto",
         description="Compute BatchNorm statistics over all workers' samples (SyncBatchNorm, "
         "on GPUs and CPUs); auto turns it on for ddp with more than one worker. Models without "
         "BatchNorm are unaffected.",
+    )
+
+
+class OptimizationsConfig(_Section):
+    """Speed and memory switches that leave the optimisation itself unchanged."""
+
+    compile: Literal["auto"] | bool = Field(
+        "auto",
+        description="torch.compile the model; auto turns it on for GPUs with compute "
+        "capability >= 8.0.",
+    )
+    gradient_checkpointing: Literal["auto"] | bool = Field(
+        "auto",
+        description="Recompute activations in the backward pass to save memory; needs a model "
+        "with gradient_checkpointing_enable(); auto turns it on when the micro-batch does not "
+        "fit the GPU's memory.",
     )
 
 
@@ -386,6 +431,10 @@ class RaytrainConfig(_Section):
         "auto",
         description="Numeric precision; auto picks bf16 on compute capability >= 8.0, fp16 with a "
         "GradScaler on 7.x, fp32 on CPU.",
+    )
+    optimizations: OptimizationsConfig = Field(
+        default_factory=OptimizationsConfig,
+        description="torch.compile and gradient checkpointing.",
     )
     dataloader: DataloaderConfig = Field(
         default_factory=DataloaderConfig, description="Per-worker DataLoader settings."

@@ -122,6 +122,14 @@ def preflight(cfg: RaytrainConfig, run_dir: RunDirectory, plan: TrainingPlan) ->
     data_ref = prepare_data(cfg.data, run_dir.data, cfg.experiment.seed)
     splits = _checked("data", build_data, data_ref, cfg.experiment.seed)
     spec = _checked("model", build_model, model_factory(cfg.model), dict(splits.info))
+    if plan.gradient_checkpointing and not callable(
+        getattr(spec.module, "gradient_checkpointing_enable", None)
+    ):
+        raise BadInputError(
+            f"optimizations.gradient_checkpointing is true but {type(spec.module).__name__} has "
+            f"no gradient_checkpointing_enable() method; add one (see raytrain_app/protocol.py) "
+            f"or set optimizations.gradient_checkpointing=false"
+        )
     check_monitor_on_one_batch(cfg.train.monitor, spec, splits.val)
     steps_per_epoch(len(splits.train), plan.effective_batch_size)
     return data_ref
@@ -269,8 +277,9 @@ def _summary(result: ray.train.Result, plan: TrainingPlan, wall: float) -> dict[
         "final_metrics": history[-1] if history else {},
         "epochs_completed": len(history),
         "world_size": plan.world_size,
-        "per_worker_batch_size": plan.per_worker_batch_size,
-        "grad_accum_steps": plan.grad_accum_steps,
+        # The workers' split: a memory probe (max_batch_per_worker: auto) may change it.
+        "per_worker_batch_size": returned.get("per_worker_batch_size", plan.per_worker_batch_size),
+        "grad_accum_steps": returned.get("grad_accum_steps", plan.grad_accum_steps),
         "effective_batch_size": plan.effective_batch_size,
         "precision": plan.precision,
         "backend": plan.backend,

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +19,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Subset
 
 from raytrain_app import checkpoint as ckpt
 from raytrain_app.config import RaytrainConfig, config_from_dict
 from raytrain_app.errors import RunFailedError
 from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
+from raytrain_app.memory_probe import probe_micro_batch
 from raytrain_app.metrics_log import MetricsLog
 from raytrain_app.monitor import SCORE_KEY, check_monitor, checkpoint_score
-from raytrain_app.plan import TrainingPlan, lr_factor, steps_per_epoch
+from raytrain_app.plan import TrainingPlan, lr_factor, plan_batch, steps_per_epoch
 from raytrain_app.protocol import ModelSpec, collate
 from raytrain_app.rank_zero import is_rank_zero, rank_zero_info, set_rank
 from raytrain_app.sampler import ResumableDistributedSampler
-from raytrain_app.session import RayTrainSession, WorkerSession, scratch_dir
+from raytrain_app.session import RayTrainSession, WorkerSession, scratch_dir, to_device
 from raytrain_app.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
 from raytrain_app.tracking import Tracker, open_tracker
 from raytrain_app.workloads import FactoryRef, build_data, build_model
@@ -205,11 +207,24 @@ class WorkerLoop:
             self.report(row, due=self._checkpoint_due(epoch) or self._stop)
             if self._stop and epoch + 1 < self.cfg.train.epochs:
                 return self._stopped_result(nodes)
-        return {"history": self.state.history, "worker_nodes": nodes}
+        return {"history": self.state.history, "worker_nodes": nodes, **self._split()}
+
+    def _split(self) -> dict[str, Any]:
+        """The batch split this run trained with (the memory probe may have changed it)."""
+        return {
+            "per_worker_batch_size": self.plan.per_worker_batch_size,
+            "grad_accum_steps": self.plan.grad_accum_steps,
+            "gradient_checkpointing": self.plan.gradient_checkpointing,
+        }
 
     def _stopped_result(self, nodes: list[str]) -> dict[str, Any]:
         rank_zero_info(logger, "stopped on request at step %d with a checkpoint", self.state.step)
-        return {"history": self.state.history, "worker_nodes": nodes, "stopped": True}
+        return {
+            "history": self.state.history,
+            "worker_nodes": nodes,
+            "stopped": True,
+            **self._split(),
+        }
 
     # -- setup ---------------------------------------------------------------------------
     def setup(self) -> None:
@@ -230,6 +245,10 @@ class WorkerLoop:
             # Before DDP wraps it; the converted layers keep BatchNorm's state-dict keys.
             self.module = convert_sync_batchnorm(self.module, self.device)
             rank_zero_info(logger, "BatchNorm layers synchronised across workers (SyncBatchNorm)")
+        if plan.gradient_checkpointing:  # the driver checked the model has the hook
+            self.module.gradient_checkpointing_enable()
+        if plan.memory_probe:
+            self.plan = plan = self._fit_micro_batch_to_memory(splits.train)
         self.model = self.session.prepare_model(
             self.module,
             plan.strategy,
@@ -237,6 +256,12 @@ class WorkerLoop:
             if plan.strategy == "ddp"
             else {},
         )
+        self._register_comm_hook()
+        self.ema = self._make_ema()
+        if plan.compile:
+            # Compiles the DDP-wrapped model, so Dynamo splits graphs at DDP's buckets;
+            # checkpoints store the plain module's state_dict (no "_orig_mod.").
+            self.model = torch.compile(self.model)
         self.train_loader, self.val_loader = self._loaders(splits.train, splits.val)
         self.steps_per_epoch = steps_per_epoch(len(splits.train), plan.effective_batch_size)
         self.total_steps = self.steps_per_epoch * cfg.train.epochs
@@ -249,6 +274,53 @@ class WorkerLoop:
         # Dropout and other runtime randomness differ per rank, as independent replicas should.
         self._seed_runtime_rng(seed + 1 + self.rank)
         rank_zero_info(logger, "plan: %s", self._plan_line(len(splits.train), len(splits.val)))
+
+    def _fit_micro_batch_to_memory(self, train_set: Any) -> TrainingPlan:
+        """Probe the largest micro-batch that fits (the smallest over all ranks) and re-split
+        the global batch with accumulation; turn gradient checkpointing on first when it is
+        ``auto``, the batch does not fit, and the model supports it."""
+        plan = self.plan
+        self.module.to(self.device)  # the probe runs before DDP, on the bare module
+
+        def probe() -> int:
+            fits = probe_micro_batch(
+                self.spec,
+                self.module,
+                train_set,
+                collate,
+                lambda batch: to_device(batch, self.device),
+                plan.per_worker_batch_size,
+                self._autocast,
+                self.device,
+            )
+            fits_everywhere = torch.tensor(float(fits), device=self.device)
+            if self.world_size > 1 and dist.is_initialized():
+                dist.all_reduce(fits_everywhere, op=dist.ReduceOp.MIN)
+            return int(fits_everywhere.item())
+
+        fits = probe()
+        checkpointing = plan.gradient_checkpointing
+        hook = getattr(self.module, "gradient_checkpointing_enable", None)
+        if fits < plan.per_worker_batch_size and plan.gradient_checkpointing_auto and hook:
+            hook()
+            checkpointing = True
+            fits = probe()
+        split = plan_batch(plan.effective_batch_size, plan.world_size, fits)
+        rank_zero_info(
+            logger,
+            "memory probe: micro-batch %d fits%s; %d x %d accumulation keeps the global batch %d",
+            fits,
+            " with gradient checkpointing" if checkpointing else "",
+            split.micro_batch,
+            split.accum_steps,
+            split.global_batch,
+        )
+        return replace(
+            plan,
+            per_worker_batch_size=split.micro_batch,
+            grad_accum_steps=split.accum_steps,
+            gradient_checkpointing=checkpointing,
+        )
 
     def _plan_line(self, n_train: int, n_val: int) -> str:
         p = self.plan
@@ -300,11 +372,10 @@ class WorkerLoop:
         )
         # Validation shards without padding so that every sample counts exactly once.
         val_shard = Subset(val_set, range(self.rank, len(val_set), self.world_size))
-        val = DataLoader(
-            val_shard,
-            batch_size=plan.per_worker_batch_size * plan.grad_accum_steps,
-            **loader_kwargs,
-        )
+        # Without gradients a worker's whole share fits, unless a memory probe measured
+        # the micro-batch: then validation stays within what was measured.
+        val_batch = plan.per_worker_batch_size * (1 if plan.memory_probe else plan.grad_accum_steps)
+        val = DataLoader(val_shard, batch_size=val_batch, **loader_kwargs)
         return self.session.prepare_loader(train), self.session.prepare_loader(val)
 
     def _optimizer(self) -> torch.optim.Optimizer:
@@ -315,7 +386,44 @@ class WorkerLoop:
                 params, lr=self.plan.lr, momentum=0.9, weight_decay=train.weight_decay
             )
         optimizer_cls = torch.optim.AdamW if train.optimizer == "adamw" else torch.optim.Adam
-        return optimizer_cls(params, lr=self.plan.lr, weight_decay=train.weight_decay)
+        fused = {"fused": True} if self.plan.fused_optimizer else {}
+        return optimizer_cls(params, lr=self.plan.lr, weight_decay=train.weight_decay, **fused)
+
+    def _register_comm_hook(self) -> None:
+        """Compress DDP's gradient all-reduce (it runs once per optimizer step: the
+        accumulation steps before it run under ``no_sync``)."""
+        kind = self.plan.grad_compression
+        if kind == "none" or not isinstance(self.model, nn.parallel.DistributedDataParallel):
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        if kind == "powersgd":
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=self.cfg.distributed.powersgd_rank,
+                start_powerSGD_iter=self.cfg.distributed.start_powersgd_iter,
+            )
+            self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        else:
+            hook = {
+                "fp16": default_hooks.fp16_compress_hook,
+                "bf16": default_hooks.bf16_compress_hook,
+            }
+            self.model.register_comm_hook(None, hook[kind])
+
+    def _make_ema(self) -> AveragedModel | None:
+        """An EMA of the bare module's weights and buffers; identical on every rank, since
+        every rank applies the same update to the same (all-reduced) weights."""
+        if self.plan.ema_decay is None:
+            return None
+        return AveragedModel(
+            self.module, multi_avg_fn=get_ema_multi_avg_fn(self.plan.ema_decay), use_buffers=True
+        )
+
+    def _validation_module(self) -> nn.Module:
+        if self.ema is not None and int(self.ema.n_averaged) > 0:
+            return self.ema.module
+        return self.module
 
     # -- resume ---------------------------------------------------------------------------
     def resume(self) -> None:
@@ -328,7 +436,16 @@ class WorkerLoop:
             weights = torch.load(
                 directory / ckpt.MODEL_FILE, map_location=self.device, weights_only=True
             )
+            ema_file = directory / ckpt.EMA_FILE
+            ema_weights = (
+                torch.load(ema_file, map_location=self.device, weights_only=True)
+                if ema_file.is_file()
+                else None
+            )
         self.module.load_state_dict(weights)
+        if self.ema is not None and ema_weights is not None:
+            self.ema.module.load_state_dict(ema_weights)
+            self.ema.n_averaged.fill_(state["ema_n_averaged"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The current plan's lr wins over the saved one: equal on a plain resume, different
@@ -512,6 +629,8 @@ class WorkerLoop:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.state.step += 1
+        if self.ema is not None and self.state.step > self.plan.ema_start_step:
+            self.ema.update_parameters(self.module)  # the first update copies the weights
 
     def _push_progress(self, epoch: int, step: int, loss: torch.Tensor, elapsed: float) -> None:
         self.task.progress.update.remote(
@@ -528,11 +647,12 @@ class WorkerLoop:
     def validate(self) -> dict[str, float]:
         # The bare module: DDP's forward would sync buffers, and ranks run different
         # numbers of validation batches.
-        self.module.eval()
+        module = self._validation_module()  # the EMA weights once averaging has begun
+        module.eval()
         averages = _Averages(self.device)
         for batch in self.val_loader:
             with self._autocast():
-                out = self.spec.step(self.module, batch)
+                out = self.spec.step(module, batch)
             averages.add({"loss": out.loss, **out.metrics}, out.num_samples)
         # A rank with no validation samples still joins the reduce, with zeros.
         return averages.global_means("val_", self._metric_names)
@@ -575,6 +695,7 @@ class WorkerLoop:
                     "skipped_steps": self.state.skipped_steps,
                     "history": self.state.history,
                     "ranks": ranks,
+                    "ema_n_averaged": int(self.ema.n_averaged) if self.ema is not None else 0,
                 },
                 meta={
                     "model_factory": asdict(self.task.model),
@@ -585,6 +706,7 @@ class WorkerLoop:
                     "step": self.state.step,
                     "metrics": row,
                 },
+                ema=self.ema.module if self.ema is not None else None,
             )
             self.session.report(reported, directory, name)
 

@@ -52,6 +52,16 @@ class TrainingPlan:
     backend: str
     strategy: str
     sync_batchnorm: bool
+    grad_compression: str
+    compile: bool
+    fused_optimizer: bool
+    gradient_checkpointing: bool
+    # The workers probe the largest micro-batch that fits the GPU and re-split the batch;
+    # with gradient_checkpointing auto they turn it on first when the batch does not fit.
+    memory_probe: bool
+    gradient_checkpointing_auto: bool
+    ema_decay: float | None  # None: no EMA of the weights
+    ema_start_step: int
     timeout_s: int
     lr: float
     base_lr: float
@@ -229,6 +239,30 @@ def choose_sync_batchnorm(requested: str | bool, strategy: str, world_size: int)
     return bool(requested)
 
 
+def choose_grad_compression(requested: str, backend: str, world_size: int) -> str:
+    """The DDP communication hook; with one worker nothing is communicated."""
+    if world_size == 1 or requested == "none":
+        return "none"
+    if requested in ("fp16", "bf16") and backend != "nccl":
+        raise PlanError(
+            f"distributed.grad_compression={requested} needs GPUs with nccl, because gloo "
+            f"cannot all-reduce {requested} tensors; use powersgd or none on CPUs"
+        )
+    return requested
+
+
+def choose_compile(requested: str | bool, use_gpu: bool, gpu: GpuInfo | None) -> bool:
+    """torch.compile pays off on recent GPUs; on CPUs and older GPUs only when asked."""
+    if requested == "auto":
+        return bool(use_gpu and gpu and gpu.capability >= (8, 0))
+    return bool(requested)
+
+
+def choose_gradient_checkpointing(requested: str | bool) -> bool:
+    """``auto`` stays off until the worker's memory probe finds the micro-batch too big."""
+    return requested is True
+
+
 def scaled_lr(lr: float, rule: str, global_batch: int, base_batch: int | None) -> float:
     """Scale ``lr`` from the batch it was tuned for (``base_batch``) to ``global_batch``."""
     ratio = global_batch / (base_batch or global_batch)
@@ -282,7 +316,8 @@ def make_plan(cfg: RaytrainConfig, env: Environment) -> TrainingPlan:
     use_gpu = choose_use_gpu(cfg, env)
     strategy = choose_strategy(cfg.distributed.strategy, use_gpu)
     world_size = choose_world_size(cfg, env, use_gpu)
-    batch = plan_batch(cfg.train.global_batch_size, world_size, cfg.train.max_batch_per_worker)
+    cap = cfg.train.max_batch_per_worker
+    batch = plan_batch(cfg.train.global_batch_size, world_size, None if cap == "auto" else cap)
     precision, grad_scaler = choose_precision(cfg.precision, use_gpu, env.gpu)
     loader = cfg.dataloader
     return TrainingPlan(
@@ -298,6 +333,23 @@ def make_plan(cfg: RaytrainConfig, env: Environment) -> TrainingPlan:
         backend=choose_backend(cfg.distributed.backend, use_gpu),
         strategy=strategy,
         sync_batchnorm=choose_sync_batchnorm(cfg.distributed.sync_batchnorm, strategy, world_size),
+        grad_compression=choose_grad_compression(
+            cfg.distributed.grad_compression,
+            choose_backend(cfg.distributed.backend, use_gpu),
+            world_size if strategy == "ddp" else 1,
+        ),
+        compile=choose_compile(cfg.optimizations.compile, use_gpu, env.gpu),
+        # The fused CUDA kernel: one launch for all parameters instead of one per tensor.
+        fused_optimizer=use_gpu and cfg.train.optimizer in ("adam", "adamw"),
+        gradient_checkpointing=choose_gradient_checkpointing(
+            cfg.optimizations.gradient_checkpointing
+        ),
+        memory_probe=use_gpu and cap == "auto",
+        gradient_checkpointing_auto=use_gpu
+        and cap == "auto"
+        and cfg.optimizations.gradient_checkpointing == "auto",
+        ema_decay=cfg.train.ema.decay if cfg.train.ema.enabled else None,
+        ema_start_step=cfg.train.ema.start_step,
         timeout_s=cfg.distributed.timeout_s,
         lr=scaled_lr(
             cfg.train.lr, cfg.train.lr_scaling, batch.global_batch, cfg.train.base_batch_size
@@ -325,6 +377,7 @@ def resolve_config(cfg: RaytrainConfig, plan: TrainingPlan) -> RaytrainConfig:
     resolved.distributed.strategy = plan.strategy
     resolved.distributed.backend = plan.backend
     resolved.distributed.sync_batchnorm = plan.sync_batchnorm
+    resolved.optimizations.compile = plan.compile
     resolved.precision = plan.precision
     resolved.dataloader.num_workers = plan.dataloader_workers
     resolved.dataloader.pin_memory = plan.pin_memory

@@ -33,6 +33,15 @@ Model factory::
 It returns a plain ``nn.Module`` (no ``.cuda()``, no DDP, no rank logic: raytrain places
 and wraps it) and a ``step`` function computing the loss of one batch.
 
+Gradient checkpointing hook (optional)::
+
+    def gradient_checkpointing_enable(self) -> None
+
+A model that has it supports ``optimizations.gradient_checkpointing``: raytrain calls it
+before wrapping the model, and the model then recomputes activations in backward (e.g. with
+``torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)`` around each block, as
+``raytrain_app.models.wind_transformer`` does). The same name as Hugging Face models use.
+
 Step function::
 
     def step(module: nn.Module, batch) -> StepOutput

@@ -151,13 +151,13 @@ def scratch_dir() -> Iterator[Path]:
         yield Path(directory)
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
+def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, tuple | list):
-        return type(batch)(_to_device(item, device) for item in batch)
+        return type(batch)(to_device(item, device) for item in batch)
     if isinstance(batch, dict):
-        return {key: _to_device(value, device) for key, value in batch.items()}
+        return {key: to_device(value, device) for key, value in batch.items()}
     return batch
 
 
@@ -168,7 +168,7 @@ class _DeviceLoader:
         self.loader, self.device = loader, device
 
     def __iter__(self) -> Iterator[Any]:
-        return (_to_device(batch, self.device) for batch in self.loader)
+        return (to_device(batch, self.device) for batch in self.loader)
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from raytrain_app.errors import BadInputError
 from raytrain_app.protocol import ModelSpec, StepOutput
@@ -49,10 +50,15 @@ class WindTransformer(nn.Module):
         layer.self_attn.dropout = 0.0
         # Nested tensors only help with padding masks, and warn when combined with norm_first.
         self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
+        self.gradient_checkpointing = False
         # Pre-norm layers leave the residual stream unnormalised; normalise it once at the end.
         self.norm = nn.LayerNorm(d_model)
         # The last token carries the most recent state, the mean the whole window's level.
         self.head = nn.Linear(2 * d_model, horizon)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Trade compute for memory (raytrain's optimizations.gradient_checkpointing hook)."""
+        self.gradient_checkpointing = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Forecast ``horizon`` standardised target values from ``x`` of shape ``[B, T, F]``."""
@@ -62,7 +68,13 @@ class WindTransformer(nn.Module):
                 f"{self.context_length}."
             )
         h = self.input_proj(x) + self.pos_embedding[:, : x.shape[1]]
-        h = self.norm(self.encoder(h))
+        if self.gradient_checkpointing and self.training:
+            # Each layer's activations are recomputed in backward instead of kept.
+            for encoder_layer in self.encoder.layers:
+                h = checkpoint(encoder_layer, h, use_reentrant=False)
+        else:
+            h = self.encoder(h)
+        h = self.norm(h)
         return self.head(torch.cat([h[:, -1], h.mean(dim=1)], dim=-1))
 
 

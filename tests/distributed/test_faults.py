@@ -210,3 +210,25 @@ def test_the_driver_survives_ctrl_c_preemption_and_sigkill(reference, tmp_path):
     assert final.returncode == 0, final.stdout + final.stderr
     assert "resumed from" in final.stdout + final.stderr
     _assert_same_as(run_dir, reference)
+
+
+# --------------------------------------------------------------------------- compression
+
+
+def test_powersgd_compression_trains_and_communicates_once_per_optimizer_step(
+    ray_cluster, tmp_path
+):
+    record = tmp_path / "hooks.json"
+    cfg = fault_config(tmp_path, "powersgd", record_comm_hooks=str(record))
+    cfg["train"].update({"epochs": 2, "max_batch_per_worker": 8})  # 2 micro-batches a step
+    cfg["distributed"] = {"grad_compression": "powersgd", "start_powersgd_iter": 2}
+    result = rt.train(cfg, progress=False)
+    assert result.summary["grad_accum_steps"] == 2
+    seen = json.loads(record.read_text())
+    assert seen["hooks"] == ["powerSGD_hook"]
+    # Recorded before the last micro-batch of the last step: one all-reduce per finished
+    # optimizer step, none for the accumulation micro-batches under no_sync.
+    assert seen["calls"] == 2 * STEPS_PER_EPOCH * 2
+    assert seen["iter"] == [2 * STEPS_PER_EPOCH - 1]
+    losses = [row["train_loss"] for row in result.metrics]
+    assert losses[-1] < losses[0]

@@ -6,11 +6,14 @@
 file does not exist yet),
 ``hang_rank`` + ``hang_at_call`` (sleep far past any timeout), ``sleep_s`` (slow every
 step down so a test can act mid-run), ``dropout`` (random masks, so resumes must restore
-every rank's RNG to be exact).
+every rank's RNG to be exact), ``record_comm_hooks`` (rank 0 writes the DDP communication
+hooks it trains with to this JSON file), ``oom_above`` (batches larger than this raise
+``torch.OutOfMemoryError``, as a GPU would).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -46,6 +49,10 @@ def build_model(params: dict, data_info: dict) -> ModelSpec:
         if model.training:
             calls += 1
             _inject(params, calls)
+            if params.get("record_comm_hooks") and _rank() == 0:
+                _record_comm_hooks(model, calls, Path(params["record_comm_hooks"]))
+        if params.get("oom_above") and x.shape[0] > params["oom_above"]:
+            raise torch.OutOfMemoryError("stand-in for CUDA running out of memory")
         prediction = model(x)
         loss = nn.functional.mse_loss(prediction, y)
         nan_here = params.get("nan_rank") in (None, _rank())
@@ -66,3 +73,18 @@ def _inject(params: dict, calls: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     if _rank() == params.get("hang_rank") and calls == params.get("hang_at_call"):
         time.sleep(3600)
+
+
+def _record_comm_hooks(model: nn.Module, calls: int, path: Path) -> None:
+    """The DDP communication hooks registered on the model this step runs, and how often
+    they have run (PowerSGD counts its all-reduces in ``state.iter``)."""
+    hooks = getattr(model, "_comm_hooks", [])
+    path.write_text(
+        json.dumps(
+            {
+                "calls": calls,
+                "hooks": [hook.__name__ for hook, _ in hooks],
+                "iter": [getattr(state, "iter", None) for _, state in hooks],
+            }
+        )
+    )
