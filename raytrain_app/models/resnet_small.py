@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
 
 from raytrain_app.errors import BadInputError
 from raytrain_app.protocol import ModelSpec, StepOutput
@@ -66,10 +69,44 @@ class ResNetSmall(nn.Module):
                 channels = width
         self.blocks = nn.Sequential(*blocks)
         self.head = nn.Linear(channels, num_classes)
+        self.gradient_checkpointing = False
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Trade compute for memory (raytrain's optimizations.gradient_checkpointing hook)."""
+        self.gradient_checkpointing = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        features = self.blocks(self.stem(x))
+        features = self.stem(x)
+        for block in self.blocks:
+            if self.gradient_checkpointing and self.training:
+                features = checkpoint(
+                    block,
+                    features,
+                    use_reentrant=False,
+                    context_fn=lambda block=block: (
+                        contextlib.nullcontext(),
+                        _batchnorm_statistics_frozen(block),
+                    ),
+                )
+            else:
+                features = block(features)
         return self.head(features.mean(dim=(2, 3)))
+
+
+@contextlib.contextmanager
+def _batchnorm_statistics_frozen(module: nn.Module) -> Iterator[None]:
+    """The backward pass re-runs a checkpointed block's forward; without this its BatchNorm
+    layers would fold the same batch into their running statistics a second time."""
+    layers = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+    saved = [(m.momentum, m.num_batches_tracked.clone()) for m in layers]
+    for layer in layers:
+        layer.momentum = 0.0  # running = (1 - 0) * running + 0 * batch
+    try:
+        yield
+    finally:
+        for layer, (momentum, tracked) in zip(layers, saved, strict=True):
+            layer.momentum = momentum
+            layer.num_batches_tracked.copy_(tracked)
 
 
 def step(module: nn.Module, batch: Any) -> StepOutput:
