@@ -174,6 +174,18 @@ class WorkerLoop:
             return result
         finally:
             self.tracker.close(failed=failed)
+            self._shut_down_loader_processes()
+
+    def _shut_down_loader_processes(self) -> None:
+        """Persistent DataLoader processes otherwise linger until garbage collection, each
+        then waiting seconds to be killed: a reused Tune actor or a test would wait too."""
+        for loader in (
+            getattr(self, "raw_train_loader", None),
+            getattr(self, "raw_val_loader", None),
+        ):
+            iterator = getattr(loader, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
 
     def _run(self) -> dict[str, Any]:
         setup_logging(self.task.log_level)
@@ -376,6 +388,7 @@ class WorkerLoop:
         # the micro-batch: then validation stays within what was measured.
         val_batch = plan.per_worker_batch_size * (1 if plan.memory_probe else plan.grad_accum_steps)
         val = DataLoader(val_shard, batch_size=val_batch, **loader_kwargs)
+        self.raw_train_loader, self.raw_val_loader = train, val
         return self.session.prepare_loader(train), self.session.prepare_loader(val)
 
     def _optimizer(self) -> torch.optim.Optimizer:
@@ -630,6 +643,9 @@ class WorkerLoop:
         self.scheduler.step()
         self.state.step += 1
         if self.ema is not None and self.state.step > self.plan.ema_start_step:
+            # Buffers (BatchNorm statistics) are per rank until DDP's next forward: take
+            # rank 0's, so the averaged buffers stay identical on every rank.
+            self._broadcast_buffers(self.module)
             self.ema.update_parameters(self.module)  # the first update copies the weights
 
     def _push_progress(self, epoch: int, step: int, loss: torch.Tensor, elapsed: float) -> None:
@@ -642,12 +658,26 @@ class WorkerLoop:
             samples_per_s=step * self.plan.effective_batch_size / max(elapsed, 1e-9),
         )
 
+    def _broadcast_buffers(self, module: nn.Module) -> None:
+        """Rank 0's floating-point buffers to every rank, in one collective."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return
+        buffers = [b for b in module.buffers() if b.is_floating_point()]
+        if not buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+        dist.broadcast(flat, src=0)
+        for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+            buffer.copy_(value.view_as(buffer))
+
     # -- validate -------------------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         # The bare module: DDP's forward would sync buffers, and ranks run different
         # numbers of validation batches.
         module = self._validation_module()  # the EMA weights once averaging has begun
+        # Every rank validates with rank 0's buffers, the ones its checkpoint holds.
+        self._broadcast_buffers(module)
         module.eval()
         averages = _Averages(self.device)
         for batch in self.val_loader:
