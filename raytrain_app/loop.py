@@ -19,15 +19,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Subset
 
 from raytrain_app import checkpoint as ckpt
 from raytrain_app.config import RaytrainConfig, config_from_dict
 from raytrain_app.errors import RunFailedError
+from raytrain_app.global_metrics import (
+    Averages,
+    EpochProgress,
+    gather,
+    merged_epoch_progress,
+)
 from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
 from raytrain_app.memory_probe import probe_micro_batch
 from raytrain_app.metrics_log import MetricsLog
+from raytrain_app.model_companions import broadcast_buffers, make_ema, register_comm_hook
 from raytrain_app.monitor import SCORE_KEY, check_monitor, checkpoint_score
 from raytrain_app.plan import TrainingPlan, lr_factor, plan_batch, steps_per_epoch
 from raytrain_app.protocol import ModelSpec, collate
@@ -49,23 +55,6 @@ _STOP_POLL_INTERVAL_S = 0.5
 
 class NonFiniteLossError(RunFailedError):
     """The loss became NaN or infinite; the run stops without checkpointing it."""
-
-
-class EpochProgress:
-    """One worker's running sums of the epoch under way: what a mid-epoch resume needs."""
-
-    def __init__(self, device: torch.device, saved: dict[str, Any] | None = None) -> None:
-        saved = saved or {}
-        self.averages = _Averages(device, saved.get("sums", {}))
-        self.elapsed_s: float = saved.get("elapsed_s", 0.0)
-        self.skipped_steps: int = saved.get("skipped_steps", 0)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "sums": self.averages.local_sums(),
-            "elapsed_s": self.elapsed_s,
-            "skipped_steps": self.skipped_steps,
-        }
 
 
 @dataclass
@@ -96,56 +85,6 @@ class LoopState:
 def train_worker(task: WorkerTask) -> dict[str, Any]:
     """Ray Train entry point (``train_loop_per_worker``)."""
     return WorkerLoop(task, RayTrainSession()).run()
-
-
-def _all_reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Sum each value over all workers with one collective."""
-    keys = sorted(sums)
-    stacked = torch.stack([sums[k].double() for k in keys])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
-    return dict(zip(keys, stacked.tolist(), strict=True))
-
-
-def _gather(obj: Any, world_size: int) -> list[Any]:
-    if world_size == 1 or not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-class _Averages:
-    """Sample-weighted sums of loss and metrics; exact global means after one all-reduce."""
-
-    def __init__(self, device: torch.device, sums: dict[str, float] | None = None) -> None:
-        self.device = device
-        self.sums: dict[str, torch.Tensor] = {
-            key: torch.tensor(value, dtype=torch.float64, device=device)
-            for key, value in (sums or {}).items()
-        }
-
-    def local_sums(self) -> dict[str, float]:
-        return {key: float(value) for key, value in self.sums.items()}
-
-    def add(self, values: dict[str, torch.Tensor], num_samples: int) -> None:
-        for key, value in values.items():
-            weighted = value.detach().double() * num_samples
-            self.sums[key] = (
-                self.sums.get(key, torch.zeros((), dtype=torch.float64, device=self.device))
-                + weighted
-            )
-        count = torch.tensor(float(num_samples), dtype=torch.float64, device=self.device)
-        self.sums["_count"] = self.sums.get("_count", torch.zeros_like(count)) + count
-
-    def global_means(self, prefix: str, keys: list[str]) -> dict[str, float]:
-        """Means over every worker; ``keys`` are joined as zeros where this rank saw none."""
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        for key in ["loss", *keys, "_count"]:
-            self.sums.setdefault(key, zero)
-        totals = _all_reduce_sums(self.sums)
-        count = totals.pop("_count")
-        return {f"{prefix}{k}": (v / count if count else float("nan")) for k, v in totals.items()}
 
 
 class WorkerLoop:
@@ -193,7 +132,7 @@ class WorkerLoop:
         set_rank(self.rank)
         self.setup()
         self.resume()
-        nodes = sorted(set(_gather(self.session.node_address(), self.world_size)))
+        nodes = sorted(set(gather(self.session.node_address(), self.world_size)))
         metrics_log = (
             MetricsLog(Path(self.task.run_dir), self.state.epoch) if is_rank_zero() else None
         )
@@ -268,8 +207,13 @@ class WorkerLoop:
             if plan.strategy == "ddp"
             else {},
         )
-        self._register_comm_hook()
-        self.ema = self._make_ema()
+        register_comm_hook(
+            self.model,
+            plan.grad_compression,
+            cfg.distributed.powersgd_rank,
+            cfg.distributed.start_powersgd_iter,
+        )
+        self.ema = make_ema(self.module, plan.ema_decay)
         if plan.compile:
             # Compiles the DDP-wrapped model, so Dynamo splits graphs at DDP's buckets;
             # checkpoints store the plain module's state_dict (no "_orig_mod.").
@@ -402,37 +346,6 @@ class WorkerLoop:
         fused = {"fused": True} if self.plan.fused_optimizer else {}
         return optimizer_cls(params, lr=self.plan.lr, weight_decay=train.weight_decay, **fused)
 
-    def _register_comm_hook(self) -> None:
-        """Compress DDP's gradient all-reduce (it runs once per optimizer step: the
-        accumulation steps before it run under ``no_sync``)."""
-        kind = self.plan.grad_compression
-        if kind == "none" or not isinstance(self.model, nn.parallel.DistributedDataParallel):
-            return
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-        if kind == "powersgd":
-            state = powerSGD_hook.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=self.cfg.distributed.powersgd_rank,
-                start_powerSGD_iter=self.cfg.distributed.start_powersgd_iter,
-            )
-            self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        else:
-            hook = {
-                "fp16": default_hooks.fp16_compress_hook,
-                "bf16": default_hooks.bf16_compress_hook,
-            }
-            self.model.register_comm_hook(None, hook[kind])
-
-    def _make_ema(self) -> AveragedModel | None:
-        """An EMA of the bare module's weights and buffers; identical on every rank, since
-        every rank applies the same update to the same (all-reduced) weights."""
-        if self.plan.ema_decay is None:
-            return None
-        return AveragedModel(
-            self.module, multi_avg_fn=get_ema_multi_avg_fn(self.plan.ema_decay), use_buffers=True
-        )
-
     def _validation_module(self) -> nn.Module:
         if self.ema is not None and int(self.ema.n_averaged) > 0:
             return self.ema.module
@@ -486,7 +399,7 @@ class WorkerLoop:
             )
             # A global step covers the same samples for any world size, so the epoch's
             # sums stay exact when rank 0 carries all of them.
-            self._resumed_epoch = _merged_epoch_progress([r["epoch"] for r in ranks], self.rank)
+            self._resumed_epoch = merged_epoch_progress([r["epoch"] for r in ranks], self.rank)
         rank_zero_info(
             logger,
             "resumed from %s at epoch %d, step %d",
@@ -645,7 +558,7 @@ class WorkerLoop:
         if self.ema is not None and self.state.step > self.plan.ema_start_step:
             # Buffers (BatchNorm statistics) are per rank until DDP's next forward: take
             # rank 0's, so the averaged buffers stay identical on every rank.
-            self._broadcast_buffers(self.module)
+            broadcast_buffers(self.module, self.world_size)
             self.ema.update_parameters(self.module)  # the first update copies the weights
 
     def _push_progress(self, epoch: int, step: int, loss: torch.Tensor, elapsed: float) -> None:
@@ -658,18 +571,6 @@ class WorkerLoop:
             samples_per_s=step * self.plan.effective_batch_size / max(elapsed, 1e-9),
         )
 
-    def _broadcast_buffers(self, module: nn.Module) -> None:
-        """Rank 0's floating-point buffers to every rank, in one collective."""
-        if self.world_size == 1 or not dist.is_initialized():
-            return
-        buffers = [b for b in module.buffers() if b.is_floating_point()]
-        if not buffers:
-            return
-        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
-        dist.broadcast(flat, src=0)
-        for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
-            buffer.copy_(value.view_as(buffer))
-
     # -- validate -------------------------------------------------------------------------
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -677,9 +578,9 @@ class WorkerLoop:
         # numbers of validation batches.
         module = self._validation_module()  # the EMA weights once averaging has begun
         # Every rank validates with rank 0's buffers, the ones its checkpoint holds.
-        self._broadcast_buffers(module)
+        broadcast_buffers(module, self.world_size)
         module.eval()
-        averages = _Averages(self.device)
+        averages = Averages(self.device)
         for batch in self.val_loader:
             with self._autocast():
                 out = self.spec.step(module, batch)
@@ -703,7 +604,7 @@ class WorkerLoop:
 
     def _report(self, row: dict[str, float], due: bool, progress: EpochProgress) -> None:
         per_rank = {"rng": ckpt.rng_state(), "epoch": progress.to_dict()} if due else None
-        ranks = _gather(per_rank, self.world_size) if due else None
+        ranks = gather(per_rank, self.world_size) if due else None
         name = ckpt.checkpoint_name(self.state.epoch, self.state.step) if due else None
         # Ray ranks checkpoints by this score (train.monitor / train.mode); see monitor.py.
         train = self.cfg.train
@@ -744,18 +645,3 @@ class WorkerLoop:
 def _loader_seed(seed: int, epoch: int, rank: int) -> int:
     """Seed of a rank's loader generator for one epoch: reproducible, distinct per rank."""
     return (seed * 1_000_003 + epoch * 10_007 + rank) % 2**63
-
-
-def _merged_epoch_progress(saved: list[dict[str, Any]], rank: int) -> dict[str, Any]:
-    """Mid-epoch sums written by another world size: rank 0 takes their total."""
-    if rank != 0:
-        return {"elapsed_s": max(p["elapsed_s"] for p in saved)}
-    sums: dict[str, float] = {}
-    for progress in saved:
-        for key, value in progress["sums"].items():
-            sums[key] = sums.get(key, 0.0) + value
-    return {
-        "sums": sums,
-        "elapsed_s": max(p["elapsed_s"] for p in saved),
-        "skipped_steps": saved[0]["skipped_steps"],
-    }
