@@ -122,7 +122,7 @@ class LocalRay:
 
         if ray.is_initialized():
             return
-        apply_ray_train_defaults()
+        apply_ray_train_defaults(embedded=True)  # as raytrain's own embedded Ray
         os.environ["PYTHONPATH"] = pythonpath_with_repo(os.environ.get("PYTHONPATH"))
         self.temp_dir = short_temp_dir()
         (dashboard_port,) = free_ports(1)

@@ -8,6 +8,7 @@ bad input fails fast with exit code 2, then runs a ``TorchTrainer`` whose worker
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import threading
@@ -70,6 +71,7 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
     Yields the environment with the cluster's resources; shuts down only a Ray it started.
     """
     started = embedded = False
+    added_defaults: list[str] = []
     if not ray.is_initialized():
         target = address or env.ray_address
         # Ray would retry an unreachable address for minutes; probe it first
@@ -87,6 +89,7 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
                     logging_level=logging.WARNING,
                 )
                 embedded = True
+                added_defaults = apply_ray_train_defaults(embedded=True)
         except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
             where = f"the Ray cluster at {target}" if target else "a local Ray"
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -102,6 +105,8 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
     finally:
         if started:
             ray.shutdown()
+        for name in added_defaults:  # a later session in this process may use a cluster
+            os.environ.pop(name, None)
 
 
 def connected_plan(cfg: RaytrainConfig, address: str | None) -> tuple[Environment, TrainingPlan]:

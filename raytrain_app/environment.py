@@ -23,6 +23,15 @@ _RAY_TRAIN_ENV_DEFAULTS = {
     # Without this, every line a worker logs shows up twice on the driver.
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
+# Also off on a single-machine Ray that raytrain starts itself, where they only cost start-up
+# time (an extra actor process, metric registration in the controller and every worker).
+_EMBEDDED_RAY_TRAIN_ENV_DEFAULTS = {
+    # Polls for cluster nodes being drained (cloud preemption); a one-machine Ray has none.
+    # raytrain's own stop on SIGUSR1/SIGTERM does not depend on it.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # Prometheus metrics for the dashboard's Train view, gone with the embedded Ray.
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+}
 
 # The dashboard (and the job server behind it) accepts job submissions: only this machine
 # reaches it unless the user opts in to another interface.
@@ -225,10 +234,20 @@ def enable_client_token_auth() -> bool:
     return has_token
 
 
-def apply_ray_train_defaults() -> None:
+def apply_ray_train_defaults(embedded: bool = False) -> list[str]:
     """Set Ray Train's tuning variables in this (driver) process unless the user set them.
 
     Ray Train propagates these from the driver to its controller and workers.
+
+    Args:
+        embedded: Ray runs on this machine alone, started here: also turn off what only a
+            multi-node cluster uses.
+
+    Returns:
+        The names of the variables set (those the user had not set).
     """
-    for name, value in _RAY_TRAIN_ENV_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+    defaults = {**_RAY_TRAIN_ENV_DEFAULTS, **(_EMBEDDED_RAY_TRAIN_ENV_DEFAULTS if embedded else {})}
+    added = [name for name in defaults if name not in os.environ]
+    for name in added:
+        os.environ[name] = defaults[name]
+    return added

@@ -28,7 +28,7 @@ def _free_port() -> int:
 def ray_cluster():
     # A short path: Ray's Unix sockets live under the temp dir and must stay < 108 bytes.
     temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
-    apply_ray_train_defaults()
+    apply_ray_train_defaults(embedded=True)  # a one-machine Ray, as raytrain's embedded one
     # Workers inherit the environment of the process that starts Ray: this is how the
     # examples/ user package becomes importable in them, as PYTHONPATH=examples does for users.
     saved_pythonpath = os.environ.get("PYTHONPATH")

@@ -71,6 +71,17 @@ def test_ray_train_defaults_respect_the_user(monkeypatch):
     assert os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
 
 
+def test_embedded_ray_defaults_only_for_an_embedded_ray(monkeypatch):
+    monkeypatch.setattr(os, "environ", {})  # an empty environment, restored afterwards
+    apply_ray_train_defaults()
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
+    monkeypatch.setenv("RAY_TRAIN_METRICS_ENABLED", "1")  # the user's choice stays
+    added = apply_ray_train_defaults(embedded=True)
+    assert added == ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
+    assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    assert os.environ["RAY_TRAIN_METRICS_ENABLED"] == "1"
+
+
 def test_reads_the_real_process_environment(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "99")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from raytrain_app import driver
@@ -38,3 +40,16 @@ def test_connecting_to_a_cluster_starts_no_dashboard(init_calls):
         pass
     (call,) = init_calls
     assert call["address"] == "10.0.0.1:6379" and "dashboard_host" not in call
+
+
+def test_an_embedded_ray_turns_off_cluster_only_ray_train_features_while_it_runs(
+    init_calls, monkeypatch
+):
+    monkeypatch.setattr(os, "environ", {})  # an empty environment, restored afterwards
+    names = ("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "RAY_TRAIN_METRICS_ENABLED")
+    with driver.ray_session(None, detect_environment({})):
+        assert all(os.environ[name] == "0" for name in names)
+    # Gone again: a later session in this process may connect to a cluster.
+    assert not any(name in os.environ for name in names)
+    with driver.ray_session("10.0.0.1:6379", detect_environment({})):
+        assert not any(name in os.environ for name in names)
