@@ -49,17 +49,6 @@ def one_node():
     cluster.stop()
 
 
-def test_one_node_job_trains_and_completes(one_node):
-    config = tiny_config(one_node, "single", workers=2)
-    job_id, code = one_node.sbatch_wait(["--cpus-per-task=2", str(SCRIPT), "--config", str(config)])
-    log = job_log(one_node, job_id)
-    assert code == 0, log
-    assert one_node.job_state(job_id) == "COMPLETED"
-    assert summary(one_node, "single")["world_size"] == 2
-    assert "effective" in log.split("Running command on head node")[1]  # the plan, printed
-    assert "RAY_AUTH_TOKEN" not in log and "token" not in log.lower().replace("token auth", "")
-
-
 def test_a_failing_training_fails_the_job(one_node):
     config = tiny_config(one_node, "broken", workers=2)
     job_id, code = one_node.sbatch_wait(
@@ -67,7 +56,9 @@ def test_a_failing_training_fails_the_job(one_node):
     )
     assert code != 0
     assert one_node.job_state(job_id) == "FAILED"
-    assert "unknown config key 'train.lrr'" in job_log(one_node, job_id)
+    log = job_log(one_node, job_id)
+    assert "unknown config key 'train.lrr'" in log
+    assert "Ray not started" in log and "Running command on head node" not in log
 
 
 def test_two_jobs_on_one_node_do_not_collide(one_node):
@@ -160,6 +151,11 @@ def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node
     assert "resumed from" in log
     preempted, straight = summary(one_node, "preempted"), summary(one_node, "straight")
     assert preempted["status"] == straight["status"] == "completed"
+    # The uninterrupted job is the plain one-node case: the plan printed, no token leaked.
+    straight_log = job_log(one_node, ids["straight"])
+    assert "effective" in straight_log.split("Running command on head node")[1]
+    assert "RAY_AUTH_TOKEN" not in straight_log
+    assert "token" not in straight_log.lower().replace("token auth", "")
     for key, value in straight["final_metrics"].items():
         if key not in ("samples_per_s", "epoch_time_s"):
             assert preempted["final_metrics"][key] == value, key

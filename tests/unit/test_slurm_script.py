@@ -10,6 +10,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "cluster" / "slurm" / "raytrain.sbatch"
 
 FAKE_SCONTROL = """#!/usr/bin/env bash
@@ -27,11 +29,21 @@ open(f"{os.environ['RAY_TMP_ROOT']}/rt-{os.environ['SLURM_JOB_ID']}.status", "w"
 """
 
 
+# The config check before Ray starts: `raytrain plan` refuses when FAKE_PLAN_FAILS is set.
+FAKE_RAYTRAIN = """#!/usr/bin/env bash
+if [[ -n ${FAKE_PLAN_FAILS:-} ]]; then echo "error: unknown config key 'train.lrr'" >&2; exit 2; fi
+"""
+
+
 def run_script(tmp_path: Path, **extra_env: str) -> tuple[str, list[str], dict[str, str]]:
     """Run the script as sbatch would; return its output, srun's arguments and environment."""
     fakes = tmp_path / "bin"
     fakes.mkdir(exist_ok=True)
-    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+    for name, text in (
+        ("scontrol", FAKE_SCONTROL),
+        ("srun", FAKE_SRUN),
+        ("raytrain", FAKE_RAYTRAIN),
+    ):
         (fakes / name).write_text(text)
         (fakes / name).chmod(0o755)
     env = {
@@ -45,16 +57,26 @@ def run_script(tmp_path: Path, **extra_env: str) -> tuple[str, list[str], dict[s
         "FAKE_OUT": str(tmp_path),
         **extra_env,
     }
-    result = subprocess.run(
+    result = _sbatch(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    srun = json.loads((tmp_path / "srun.json").read_text())
+    return result.stdout + result.stderr, srun["args"], srun["env"]
+
+
+def _sbatch(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
         ["bash", str(SCRIPT), "--config", "my.yaml"],
         env=env,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    srun = json.loads((tmp_path / "srun.json").read_text())
-    return result.stdout + result.stderr, srun["args"], srun["env"]
+
+
+def test_a_refused_config_fails_the_job_before_ray_starts(tmp_path):
+    with pytest.raises(AssertionError, match="Ray not started"):
+        run_script(tmp_path, FAKE_PLAN_FAILS="1")
+    assert not (tmp_path / "srun.json").exists()  # srun (and so Ray) never ran
 
 
 def test_token_auth_is_on_with_a_fresh_token_that_is_never_printed(tmp_path):

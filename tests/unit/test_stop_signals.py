@@ -8,7 +8,9 @@ import signal
 import pytest
 from ray.train.torch import TorchTrainer
 
+from raytrain_app import cli, driver
 from raytrain_app.driver import STOP_SIGNALS, _Trainer, stop_on_signals
+from raytrain_app.errors import RunStoppedError
 
 
 @pytest.mark.parametrize("sig", STOP_SIGNALS)
@@ -29,3 +31,16 @@ def test_rays_own_ctrl_c_handler_is_replaced():
     # renames the hook would silently bring it back, so pin the name.
     assert callable(TorchTrainer._register_sigint_handler)
     assert _Trainer._register_sigint_handler is not TorchTrainer._register_sigint_handler
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGINT", 130), ("SIGUSR1", 75), ("SIGTERM", 75)])
+def test_a_stopped_run_exits_130_after_ctrl_c_and_75_after_a_preemption_signal(
+    monkeypatch, capsys, sig, code
+):
+    def stopped(*args, **kwargs):
+        raise RunStoppedError(f"stopped on request ({sig}) ...", interrupted=sig == "SIGINT")
+
+    monkeypatch.setattr(driver, "train", stopped)
+    assert cli.main(["train", "--no-progress"]) == code
+    err = capsys.readouterr().err
+    assert f"stopped on request ({sig})" in err and "Traceback" not in err
