@@ -10,10 +10,12 @@ whatever the number of workers it is later trained on.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import math
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +88,16 @@ def trial_environment(env: Environment, cfg: RaytrainConfig, use_gpu: bool) -> E
 def run_trial(
     sampled: dict[str, Any], *, base: dict, env: Environment, use_gpu: bool, run_dir: str
 ) -> None:
-    """The Tune trainable: build the trial's config and plan, run the worker loop."""
+    """The Tune trainable: build the trial's config and plan, run the worker loop.
+
+    Tune reuses a trial's process for later trials (``reuse_actors``): nothing here or in
+    the loop keeps state between trials (threads, seeds and logging are set per trial).
+    """
+    # The previous trial's loop holds reference cycles (its lr schedule refers back to it),
+    # so only the collector frees its model, optimizer and data: do it before building more.
+    gc.collect()
+    if "torch._dynamo" in sys.modules:  # torch.compile's caches of the previous trial's model
+        sys.modules["torch._dynamo"].reset()
     cfg = single_worker(trial_config(config_from_dict(base), sampled))
     plan = make_plan(cfg, trial_environment(env, cfg, use_gpu))
     trial_dir = Path(run_dir) / "trials" / tune.get_context().get_trial_id()
@@ -178,6 +189,9 @@ def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environ
         scheduler=_scheduler(cfg, space),
         search_alg=_search_algorithm(cfg),
         max_concurrent_trials=concurrency,
+        # A finished trial's process runs the next trial: no new process importing torch
+        # and Ray per trial (1.51 -> 1.14 of the ideal sweep time in benchmarks/tune_overhead).
+        reuse_actors=True,
     )
     run_config = tune.RunConfig(
         name=_EXPERIMENT_DIR,

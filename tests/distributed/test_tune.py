@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pytest
 
 import raytrain_app as rt
@@ -160,3 +161,56 @@ def test_an_interrupted_sweep_resumes_with_the_same_command(ray_cluster, tmp_pat
     # FIFO stops nothing early: every trial, the interrupted one too, ran all its epochs.
     assert len(trials) == 5 and all(row.endswith(",3,completed,") for row in trials[1:])
     assert (run_dir / BEST_CONFIG_FILE).is_file()
+
+
+def _trial_pids(run_dir) -> dict[str, set[int]]:
+    """Each trial's process ids, from Tune's own result files."""
+    pids: dict[str, set[int]] = {}
+    for result_json in (run_dir / "tune").glob("*/result.json"):
+        for line in result_json.read_text().splitlines():
+            row = json.loads(line)
+            pids.setdefault(row["trial_id"], set()).add(row["pid"])
+    return pids
+
+
+def test_a_reused_trial_process_starts_each_trial_clean(ray_cluster, tmp_path):
+    cfg = sweep(
+        tmp_path,
+        "reused",
+        {
+            "num_samples": 3,
+            "max_concurrent_trials": 1,
+            "scheduler": "fifo",
+            "param_space": {"train.lr": {"choice": [1.0e-3]}},  # three identical trials
+        },
+    )
+    cfg["train"] = {"epochs": 2}
+    result = rt.tune(cfg)
+    pids = _trial_pids(result.run_dir)
+    assert len(pids) == 3 and len(set().union(*pids.values())) < 3  # a process ran 2+ trials
+    columns = ["epoch", "step", "train_loss", "val_loss", "val_mae", "lr"]
+    histories = [
+        pd.read_csv(result.run_dir / "trials" / trial_id / "metrics.csv")[columns]
+        for trial_id in result.trials["trial_id"]
+    ]
+    for history in histories[1:]:  # bit-identical to the first trial's, in its own process
+        pd.testing.assert_frame_equal(history, histories[0], check_exact=True)
+
+
+def test_pbt_continues_trials_from_better_ones_checkpoints(ray_cluster, tmp_path):
+    cfg = sweep(
+        tmp_path,
+        "pbt",
+        {
+            "num_samples": 4,
+            "max_concurrent_trials": 2,
+            "scheduler": "pbt",
+            "param_space": {"train.lr": {"loguniform": [1.0e-6, 3.0e-3]}},
+        },
+    )
+    # PBT clones another trial's latest checkpoint when it gets a slot, by which time that
+    # trial may have written newer ones: keep them all (Tune warns for num_to_keep <= 2).
+    cfg["train"] = {"epochs": 3, "checkpoint_every_epochs": 1, "keep_checkpoints": None}
+    result = rt.tune(cfg)
+    assert len(result.trials) == 4
+    assert (result.trials["status"] != "error").all(), result.trials["error"].tolist()
