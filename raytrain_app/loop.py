@@ -40,6 +40,7 @@ from raytrain_app.protocol import ModelSpec, collate
 from raytrain_app.rank_zero import is_rank_zero, rank_zero_info, set_rank
 from raytrain_app.sampler import ResumableDistributedSampler
 from raytrain_app.session import RayTrainSession, WorkerSession, scratch_dir, to_device
+from raytrain_app.step_agreement import StepAgreement
 from raytrain_app.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
 from raytrain_app.tracking import Tracker, open_tracker
 from raytrain_app.workloads import FactoryRef, build_data, build_model
@@ -213,6 +214,9 @@ class WorkerLoop:
             cfg.distributed.powersgd_rank,
             cfg.distributed.start_powersgd_iter,
         )
+        # The per-step flags ride on DDP's gradient all-reduce unless a hook owns it.
+        fuse = plan.grad_compression == "none" and not plan.compile
+        self.agreement = StepAgreement(self.model, self.world_size, fuse)
         self.ema = make_ema(self.module, plan.ema_decay)
         if plan.compile:
             # Compiles the DDP-wrapped model, so Dynamo splits graphs at DDP's buckets;
@@ -440,16 +444,19 @@ class WorkerLoop:
         for step_in_epoch in range(first_step, self.steps_per_epoch):
             micro_results = []
             for micro in range(accum):
-                with self._sync_context(micro == accum - 1):
+                last = micro == accum - 1
+                with self._sync_context(last):
                     with self._autocast():
                         out = self.spec.step(self.model, next(batches))
+                    micro_results.append(({"loss": out.loss, **out.metrics}, out.num_samples))
+                    if last:  # the flags travel with this backward's gradient all-reduce
+                        self.agreement.send(self._step_flags(micro_results))
                     self.scaler.scale(out.loss / accum).backward()
-                micro_results.append(({"loss": out.loss, **out.metrics}, out.num_samples))
             if not self._monitor_checked:  # the first step tells which metrics the model has
                 check_monitor(self.cfg.train.monitor, list(out.metrics))
                 self._monitor_checked = True
             self._metric_names = list(out.metrics)
-            nonfinite, self._stop = self._agree_after_step(micro_results)
+            nonfinite, self._stop = self.agreement.receive()
             if nonfinite:
                 self._skip_nonfinite_step(epoch, step_in_epoch, micro_results)
                 progress.skipped_steps += 1
@@ -496,21 +503,16 @@ class WorkerLoop:
             row["skipped_steps"] = progress.skipped_steps
         return row
 
-    def _agree_after_step(self, micro_results: list) -> tuple[bool, bool]:
-        """Whether any rank's loss was non-finite, and whether the driver asked to stop.
+    def _step_flags(self, micro_results: list) -> torch.Tensor:
+        """This rank's view of the step: [a loss was non-finite, the driver asked to stop].
 
-        One tiny all-reduce per step, so every rank skips, stops or checkpoints at the
-        same step (a rank that did otherwise would hang the next collective).
+        Every rank then skips, stops or checkpoints at the same step (``StepAgreement``).
         """
         losses = torch.stack([values["loss"].detach().float() for values, _ in micro_results])
         stop = float(self._stop_requested())
-        flags = torch.stack(
+        return torch.stack(
             [(~torch.isfinite(losses).all()).float(), torch.tensor(stop, device=losses.device)]
         )
-        if self.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, stop = flags.tolist()
-        return nonfinite > 0, stop > 0
 
     def _stop_requested(self) -> bool:
         if self._stop:

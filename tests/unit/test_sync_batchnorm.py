@@ -3,13 +3,9 @@ normalise exactly as one process over both batches."""
 
 from __future__ import annotations
 
-import socket
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_on_two_ranks
 from test_plan import make_env
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -66,34 +62,21 @@ def _batchnorm() -> nn.BatchNorm2d:
     return layer
 
 
-def _rank_main(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        # Wrapped as the loop does: DDP must accept the converted CPU module.
-        model = DistributedDataParallel(
-            convert_sync_batchnorm(nn.Sequential(_batchnorm()), torch.device("cpu"))
-        )
-        layer = model.module[0]
-        assert isinstance(layer, GlooSyncBatchNorm)
-        x, weights, _ = _inputs()
-        part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        result = _run_steps(model, layer, x[:, part], weights[:, part])
-        torch.save(result, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rank_steps(rank: int) -> dict:
+    # Wrapped as the loop does: DDP must accept the converted CPU module.
+    model = DistributedDataParallel(
+        convert_sync_batchnorm(nn.Sequential(_batchnorm()), torch.device("cpu"))
+    )
+    layer = model.module[0]
+    assert isinstance(layer, GlooSyncBatchNorm)
+    x, weights, _ = _inputs()
+    part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    return _run_steps(model, layer, x[:, part], weights[:, part])
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("sync_bn")
-    mp.spawn(_rank_main, args=(_free_port(), str(out_dir)), nprocs=2, join=True)
-    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return run_on_two_ranks(_rank_steps, tmp_path_factory.mktemp("sync_bn"))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,35 @@
+"""Two real gloo processes on this machine, without Ray, for unit tests of distributed code."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, fn: Callable[[int], Any], out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.save(fn(rank), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_two_ranks(fn: Callable[[int], Any], out_dir: Path) -> list[Any]:
+    """``fn(rank)`` in each of two gloo processes; what each returned (through torch.save).
+
+    ``fn`` must be a module-level function: the processes are spawned and import it.
+    """
+    mp.spawn(_rank_main, args=(_free_port(), fn, str(out_dir)), nprocs=2, join=True)
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(2)]
