@@ -179,12 +179,12 @@ PHASES = [
     ("train context on workers", "worker_actors_created", "train_context_initialized"),
     ("gloo process group, launch train fn", "train_context_initialized", "train_fn_launched"),
     ("raytrain setup: build data + model", "train_fn_launched", "worker_model_built"),
-    ("raytrain setup: DDP, loaders, optimizer, gather", "worker_model_built", "_gather_end"),
-    ("first batch", "_gather_end", "first_batch_ready"),
+    ("raytrain setup: DDP, loaders, optimizer, gather", "worker_model_built", "gather_end"),
+    ("first batch", "gather_end", "first_batch_ready"),
     ("first optimizer step", "first_batch_ready", "first_step_done"),
 ]
 # Inner timings of the worker set-up, from the probe's timers (rank 0).
-_INNER = ("prepare_model", "prepare_data_loader", "get_checkpoint", "_gather")
+_INNER = ("prepare_model", "prepare_data_loader", "get_checkpoint", "gather")
 
 
 def breakdown(run: dict[str, Any]) -> dict[str, Any]:

@@ -88,7 +88,7 @@ def _trace_worker_setup(stamp_file: str) -> None:
     _timed(ray.train.torch, "prepare_model", stamp_file)
     _timed(ray.train.torch, "prepare_data_loader", stamp_file)
     _timed(ray.train, "get_checkpoint", stamp_file)
-    _timed(loop, "_gather", stamp_file)
+    _timed(loop, "gather", stamp_file)
 
 
 def build(params: Mapping[str, Any], data_info: Mapping[str, Any]) -> ModelSpec:

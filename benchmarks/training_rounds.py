@@ -29,10 +29,13 @@ from benchmarks.workload import (
     step_time,
     train_config,
 )
+from raytrain_app.config import config_from_dict
+from raytrain_app.run_directory import RunDirectory
 
 logger = logging.getLogger(__name__)
 
 TORCHRUN_SCRIPT = REPO_ROOT / "benchmarks" / "torchrun_ddp.py"
+TORCHRUN_LOOP_SCRIPT = REPO_ROOT / "benchmarks" / "torchrun_loop.py"
 
 
 def epochs(ctx: Context) -> int:
@@ -49,16 +52,21 @@ def scaling_workers() -> list[int]:
     return counts
 
 
-def raytrain_run(ctx: Context, workers: int, round_index: int) -> dict[str, Any]:
-    """One ``raytrain_app.train`` in this process's Ray; timings from its metrics.csv."""
-    ctx.local_ray.ensure()
-    cfg = train_config(
-        unique_name("train", workers, round_index),
+def run_config(ctx: Context, prefix: str, workers: int, round_index: int) -> dict[str, Any]:
+    """The benchmark's raytrain config for one run, under a fresh experiment name."""
+    return train_config(
+        unique_name(prefix, workers, round_index),
         ctx.runs_dir,
         workers=workers,
         epochs=epochs(ctx),
         data=ctx.data_params,
     )
+
+
+def raytrain_run(ctx: Context, workers: int, round_index: int) -> dict[str, Any]:
+    """One ``raytrain_app.train`` in this process's Ray; timings from its metrics.csv."""
+    ctx.local_ray.ensure()
+    cfg = run_config(ctx, "train", workers, round_index)
     result = raytrain_app.train(cfg, progress=False)
     rows = steady_rows(result.run_dir)
     return {
@@ -123,6 +131,30 @@ def torchrun_run(ctx: Context, nproc: int) -> dict[str, Any]:
     }
 
 
+def torchrun_loop_run(ctx: Context, nproc: int, round_index: int) -> dict[str, Any]:
+    """raytrain's worker loop on a torchrun process group (``torchrun_loop.py``), no Ray."""
+    cfg = run_config(ctx, "torchrun-loop", nproc, round_index)
+    scratch = ctx.settings.scratch("torchrun-loop")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(TORCHRUN_LOOP_SCRIPT),
+        f"--config={json.dumps(cfg)}",
+    ]
+    env = subprocess_env(scratch / "home", OMP_NUM_THREADS="1")
+    done = subprocess.run(command, env=env, cwd=scratch, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun_loop failed ({done.returncode}): {done.stderr[-2000:]}")
+    rows = steady_rows(RunDirectory.for_config(config_from_dict(cfg)).root)
+    return {
+        "steady_epoch_s": sum(r["epoch_time_s"] for r in rows) / len(rows),
+        "epoch_time_s": [round(r["epoch_time_s"], 4) for r in rows],
+    }
+
+
 def variants(ctx: Context) -> dict[str, Callable[[int], dict[str, Any]]]:
     """Every training variant by name, in the order a round runs them."""
     found: dict[str, Callable[[int], dict[str, Any]]] = {
@@ -130,6 +162,7 @@ def variants(ctx: Context) -> dict[str, Callable[[int], dict[str, Any]]]:
         "plain_pytorch": lambda i: plain_run(ctx),
         "raytrain_2_workers": lambda i: raytrain_run(ctx, 2, i),
         "torchrun_2_procs": lambda i: torchrun_run(ctx, 2),
+        "raytrain_loop_torchrun_2_procs": lambda i: torchrun_loop_run(ctx, 2, i),
     }
     for n in scaling_workers():
         found.setdefault(f"raytrain_{n}_workers", lambda i, n=n: raytrain_run(ctx, n, i))
@@ -140,7 +173,7 @@ def needed(benchmark: str) -> list[str]:
     if benchmark == "loop_overhead":
         return ["raytrain_1_worker", "plain_pytorch"]
     if benchmark == "ddp_parity":
-        return ["raytrain_2_workers", "torchrun_2_procs"]
+        return ["raytrain_2_workers", "torchrun_2_procs", "raytrain_loop_torchrun_2_procs"]
     if benchmark == "scaling":
         return [
             "raytrain_1_worker" if n == 1 else f"raytrain_{n}_workers" for n in scaling_workers()

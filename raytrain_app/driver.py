@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchConfig
 
 from raytrain_app.config import RaytrainConfig, config_to_dict
 from raytrain_app.environment import (
@@ -36,6 +36,7 @@ from raytrain_app.metrics_log import read_metrics
 from raytrain_app.monitor import SCORE_KEY, best_checkpoint, check_monitor_on_one_batch
 from raytrain_app.plan import TrainingPlan, make_plan, resolve_config, steps_per_epoch
 from raytrain_app.progress import DriverProgress
+from raytrain_app.ray_trainer import RaytrainTorchTrainer
 from raytrain_app.reachability import check_reachable
 from raytrain_app.run_directory import RunDirectory
 from raytrain_app.tracking import check_tracking_installed, write_loss_plot
@@ -81,8 +82,9 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
                 ray.init(address=target, logging_level=logging.WARNING)
             else:
                 # An embedded single-machine cluster sized like the plan assumed. It keeps
-                # the dashboard: Ray Train's placement-group cleanup needs its State API.
-                # Its job server runs code, so it binds to localhost unless the user opts in.
+                # Ray's dashboard (the run's workers, logs, stacks; leaving it out saved no
+                # measurable start-up time). Its job server runs code, so it binds to
+                # localhost unless the user opts in.
                 ray.init(
                     num_cpus=int(env.resources.cpus),
                     dashboard_host=env.dashboard_host,
@@ -101,12 +103,19 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
             # Nothing can join an embedded Ray: plan against this machine, so asking for
             # more workers than it has fails now instead of waiting forever.
             resources = replace(resources, source="this machine")
-        yield env.with_resources(resources, gpu)
+        yield replace(env.with_resources(resources, gpu), embedded_ray=ray_started_here())
     finally:
         if started:
             ray.shutdown()
         for name in added_defaults:  # a later session in this process may use a cluster
             os.environ.pop(name, None)
+
+
+def ray_started_here() -> bool:
+    """Whether this process started the Ray it is connected to (``ray.init()`` without an
+    address, by raytrain or by the user): that Ray ends with this process."""
+    node = getattr(ray._private.worker, "_global_node", None)  # Ray has no public query
+    return bool(node is not None and node.head)
 
 
 def connected_plan(cfg: RaytrainConfig, address: str | None) -> tuple[Environment, TrainingPlan]:
@@ -190,14 +199,6 @@ def user_facing_error(exc: BaseException, timeout_s: int | None = None) -> Excep
 STOP_SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM)
 
 
-class _Trainer(TorchTrainer):
-    """TorchTrainer without Ray's own Ctrl-C handler, which aborts the run without a
-    checkpoint and exits the process; ``stop_on_signals`` handles Ctrl-C instead."""
-
-    def _register_sigint_handler(self, controller: Any) -> None:
-        return None
-
-
 @contextmanager
 def stop_on_signals(stop_file: Path) -> Iterator[list[str]]:
     """Any of ``STOP_SIGNALS`` asks the workers to checkpoint at the next step and stop;
@@ -226,7 +227,11 @@ def stop_on_signals(stop_file: Path) -> Iterator[list[str]]:
 
 
 def _run_trainer(
-    task: WorkerTask, cfg: RaytrainConfig, run_dir: RunDirectory, progress: bool
+    task: WorkerTask,
+    cfg: RaytrainConfig,
+    run_dir: RunDirectory,
+    progress: bool,
+    embedded_ray: bool,
 ) -> tuple[ray.train.Result, str | None]:
     """Run the TorchTrainer; returns its result and the stop signal received, if any."""
     plan = task.plan
@@ -256,12 +261,13 @@ def _run_trainer(
     task.stop_file = str(stop_file)
     with DriverProgress(enabled=progress) as bar, stop_on_signals(stop_file) as received:
         task.progress = bar.tracker
-        trainer = _Trainer(
+        trainer = RaytrainTorchTrainer(
             _train_loop_entry,
             train_loop_config={"task": task},
             torch_config=TorchConfig(backend=plan.backend, timeout_s=plan.timeout_s),
             scaling_config=scaling,
             run_config=run_config,
+            embedded_ray=embedded_ray,
         )
         result = trainer.fit()
     stop_file.unlink(missing_ok=True)
@@ -338,7 +344,9 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
             run_dir=str(run_dir.root),
         )
         try:
-            result, stop_signal = _run_trainer(task, resolved, run_dir, progress)
+            result, stop_signal = _run_trainer(
+                task, resolved, run_dir, progress, cluster_env.embedded_ray
+            )
         except ray.train.TrainingFailedError as exc:
             raise user_facing_error(exc, plan.timeout_s) from exc
     summary = _summary(result, plan, time.perf_counter() - start)

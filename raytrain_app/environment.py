@@ -93,6 +93,8 @@ class Environment:
     extra: Mapping[str, str] = field(default_factory=dict)
     # Where an embedded Ray's dashboard binds: ``RAYTRAIN_DASHBOARD_HOST``, else localhost.
     dashboard_host: str = LOCAL_DASHBOARD_HOST
+    # This process started the Ray it uses (``driver.ray_session``): it ends with it.
+    embedded_ray: bool = False
 
     def with_resources(self, resources: Resources, gpu: GpuInfo | None = None) -> Environment:
         """Return a copy with the cluster's resources (and its GPU model, if known)."""

@@ -35,8 +35,8 @@ def ray_cluster():
     paths = [str(EXAMPLES), str(TEST_WORKLOADS)]
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, saved_pythonpath]))
     sys.path[:0] = paths
-    # Ray's own ports are 0 (the OS picks free ones); the dashboard, which Ray Train's
-    # placement-group cleanup needs, gets a free port too, so parallel sessions never collide.
+    # Ray's own ports are 0 (the OS picks free ones); the dashboard (the State API some
+    # tests query) gets a free port too, so parallel sessions never collide.
     ray.init(num_cpus=2, dashboard_port=_free_port(), _temp_dir=temp_dir, logging_level="WARNING")
     yield ray.cluster_resources()
     ray.shutdown()

@@ -185,3 +185,14 @@ def test_predict_writes_parquet_from_a_run_directory(runs, tmp_path):
     # Predictions are in the data's units (fraction of rated power) and track the truth.
     assert true.min() >= 0 and true.max() <= 1
     assert abs(pred - true).mean() < 0.25
+
+
+def test_the_runs_started_only_the_ray_actors_training_needs(runs):
+    # On a Ray this process started, without Ray Datasets, Ray Train's dataset manager,
+    # autoscaling coordinator and placement-group cleaner would each be one more process
+    # to start before the first step (raytrain_app/ray_trainer.py).
+    from ray.util.state import list_actors
+
+    started = {actor.class_name for actor in list_actors(limit=1000)}
+    assert {"TrainController", "RayTrainWorker"} <= started
+    assert not started & {"DatasetManager", "PlacementGroupCleaner", "_AutoscalingCoordinatorActor"}
