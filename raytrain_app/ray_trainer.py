@@ -9,9 +9,9 @@
   the driver, so the autoscaling-coordinator and placement-group-cleaner actors are not
   started.
 
-Each is a Ray process that starts and imports Ray before the first step; on a 2-core
-machine the three cost about N s of the time to the first step (benchmarks/first_step.py).
-They are Ray Train V2 internals of the pinned Ray (2.60); tests/distributed checks the
+Each is one more process that starts and imports Ray before the first step, and two of
+them kept polling during training (1-2 % of a core on a 2-core machine). These are Ray
+Train V2 internals of the pinned Ray (2.60); tests/distributed checks the
 trainer still runs, restarts and stops with them left out.
 """
 
