@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 import ray.train
+from ray._private.ray_constants import RAY_WORKER_NICENESS
 from ray.train.torch import TorchConfig
 
 from raytrain_app.config import RaytrainConfig, config_to_dict
@@ -247,6 +248,7 @@ def _run_trainer(
         ),
         # Ray Train's per-report INFO lines would drown raytrain's own epoch lines.
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+        worker_runtime_env={"env_vars": {RAY_WORKER_NICENESS: _training_worker_niceness()}},
     )
     scaling = ray.train.ScalingConfig(
         num_workers=plan.world_size,
@@ -272,6 +274,14 @@ def _run_trainer(
         result = trainer.fit()
     stop_file.unlink(missing_ok=True)
     return result, received[0] if received else None
+
+
+def _training_worker_niceness() -> str:
+    """Ray starts worker processes at nice 15, below its own daemons and anything else on
+    the node; training workers hold their CPUs in Ray's accounting and run at nice 0, as
+    torchrun's do (2 lock-step workers on 2 cores: epochs about 5 % faster, README
+    Performance). ``RAY_worker_niceness`` set by the user wins."""
+    return os.environ.get(RAY_WORKER_NICENESS, "0")
 
 
 def _train_loop_entry(config: dict[str, Any]) -> dict[str, Any]:

@@ -201,6 +201,18 @@ def test_a_sigkilled_driver_loses_nothing(reference, tmp_path):
 # --------------------------------------------------------------------------- compression
 
 
+def test_workers_run_at_nice_0_with_the_step_agreement_in_ddps_all_reduce(ray_cluster, tmp_path):
+    record = tmp_path / "hooks.json"
+    cfg = fault_config(tmp_path, "defaults", record_comm_hooks=str(record))
+    cfg["train"]["epochs"] = 1
+    rt.train(cfg, progress=False)
+    seen = json.loads(record.read_text())
+    # Ray starts worker processes at nice 15, behind every other process on the node.
+    assert seen["niceness"] == 0
+    # The per-step flags ride in DDP's last gradient bucket: no all-reduce of their own.
+    assert seen["hooks"] == ["_all_reduce_with_flags"]
+
+
 def test_powersgd_compression_trains_and_communicates_once_per_optimizer_step(
     ray_cluster, tmp_path
 ):

@@ -7,8 +7,8 @@ file does not exist yet),
 ``hang_rank`` + ``hang_at_call`` (sleep far past any timeout), ``sleep_s`` (slow every
 step down so a test can act mid-run), ``dropout`` (random masks, so resumes must restore
 every rank's RNG to be exact), ``record_comm_hooks`` (rank 0 writes the DDP communication
-hooks it trains with to this JSON file), ``oom_above`` (batches larger than this raise
-``torch.OutOfMemoryError``, as a GPU would).
+hooks it trains with, and its process's niceness, to this JSON file), ``oom_above``
+(batches larger than this raise ``torch.OutOfMemoryError``, as a GPU would).
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def _record_comm_hooks(model: nn.Module, calls: int, path: Path) -> None:
             {
                 "calls": calls,
                 "hooks": [hook.__name__ for hook, _ in hooks],
+                "niceness": os.nice(0),
                 "iter": [getattr(state, "iter", None) for _, state in hooks],
             }
         )
