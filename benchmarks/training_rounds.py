@@ -24,6 +24,7 @@ from benchmarks.ray_setup import subprocess_env
 from benchmarks.workload import (
     GLOBAL_BATCH,
     epoch_rows,
+    epoch_time,
     samples_per_s,
     steady_rows,
     step_time,
@@ -71,7 +72,7 @@ def raytrain_run(ctx: Context, workers: int, round_index: int) -> dict[str, Any]
     rows = steady_rows(result.run_dir)
     return {
         "s_per_step": step_time(rows),
-        "steady_epoch_s": sum(r["epoch_time_s"] for r in rows) / len(rows),
+        "steady_epoch_s": epoch_time(rows),
         "samples_per_s": samples_per_s(rows),
         "epoch_time_s": [round(r["epoch_time_s"], 4) for r in epoch_rows(result.run_dir)],
         "wall_time_s": result.summary["wall_time_s"],
@@ -92,23 +93,40 @@ def plain_run(ctx: Context) -> dict[str, Any]:
     }
 
 
-def torchrun_command(
-    nproc: int, data_dir: Path, data_params: dict, n_epochs: int, out: Path, *extra: str
-) -> list[str]:
+def torchrun_launch(nproc: int, script: Path, *args: str) -> list[str]:
+    """``torchrun --standalone`` of ``script`` with ``nproc`` processes on this machine."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        str(TORCHRUN_SCRIPT),
+        str(script),
+        *args,
+    ]
+
+
+def run_torchrun(command: list[str], scratch: Path) -> None:
+    """Run a torchrun ``command`` with 1 intra-op thread per process; raise if it fails."""
+    env = subprocess_env(scratch / "home", OMP_NUM_THREADS="1")
+    done = subprocess.run(command, env=env, cwd=scratch, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun failed ({done.returncode}): {done.stderr[-2000:]}")
+
+
+def torchrun_command(
+    nproc: int, data_dir: Path, data_params: dict, n_epochs: int, out: Path, *extra: str
+) -> list[str]:
+    return torchrun_launch(
+        nproc,
+        TORCHRUN_SCRIPT,
         f"--data-dir={data_dir}",
         f"--data-params={json.dumps(data_params)}",
         f"--epochs={n_epochs}",
         f"--global-batch={GLOBAL_BATCH}",
         f"--out={out}",
         *extra,
-    ]
+    )
 
 
 def torchrun_run(ctx: Context, nproc: int) -> dict[str, Any]:
@@ -119,10 +137,7 @@ def torchrun_run(ctx: Context, nproc: int) -> dict[str, Any]:
     command = torchrun_command(
         nproc, ctx.settings.work_dir / "data", ctx.data_params, epochs(ctx), out
     )
-    env = subprocess_env(scratch / "home", OMP_NUM_THREADS="1")
-    done = subprocess.run(command, env=env, cwd=scratch, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"torchrun failed ({done.returncode}): {done.stderr[-2000:]}")
+    run_torchrun(command, scratch)
     times = json.loads(out.read_text())["epoch_time_s"]
     steady = times[1:]
     return {
@@ -135,23 +150,13 @@ def torchrun_loop_run(ctx: Context, nproc: int, round_index: int) -> dict[str, A
     """raytrain's worker loop on a torchrun process group (``torchrun_loop.py``), no Ray."""
     cfg = run_config(ctx, "torchrun-loop", nproc, round_index)
     scratch = ctx.settings.scratch("torchrun-loop")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(TORCHRUN_LOOP_SCRIPT),
-        f"--config={json.dumps(cfg)}",
-    ]
-    env = subprocess_env(scratch / "home", OMP_NUM_THREADS="1")
-    done = subprocess.run(command, env=env, cwd=scratch, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"torchrun_loop failed ({done.returncode}): {done.stderr[-2000:]}")
-    rows = steady_rows(RunDirectory.for_config(config_from_dict(cfg)).root)
+    run_torchrun(
+        torchrun_launch(nproc, TORCHRUN_LOOP_SCRIPT, f"--config={json.dumps(cfg)}"), scratch
+    )
+    run_dir = RunDirectory.for_config(config_from_dict(cfg)).root
     return {
-        "steady_epoch_s": sum(r["epoch_time_s"] for r in rows) / len(rows),
-        "epoch_time_s": [round(r["epoch_time_s"], 4) for r in rows],
+        "steady_epoch_s": epoch_time(steady_rows(run_dir)),
+        "epoch_time_s": [round(r["epoch_time_s"], 4) for r in epoch_rows(run_dir)],
     }
 
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import ray
 import ray.train
-from ray._private.ray_constants import RAY_WORKER_NICENESS
 from ray.train.torch import TorchConfig
 
 from raytrain_app.config import RaytrainConfig, config_to_dict
@@ -30,6 +29,7 @@ from raytrain_app.environment import (
     apply_ray_train_defaults,
     detect_environment,
     ray_cluster_resources,
+    training_worker_env_vars,
 )
 from raytrain_app.errors import BadInputError, RunFailedError, RunStoppedError
 from raytrain_app.loop import WorkerTask, train_worker
@@ -248,7 +248,7 @@ def _run_trainer(
         ),
         # Ray Train's per-report INFO lines would drown raytrain's own epoch lines.
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-        worker_runtime_env={"env_vars": {RAY_WORKER_NICENESS: _training_worker_niceness()}},
+        worker_runtime_env={"env_vars": training_worker_env_vars()},
     )
     scaling = ray.train.ScalingConfig(
         num_workers=plan.world_size,
@@ -274,14 +274,6 @@ def _run_trainer(
         result = trainer.fit()
     stop_file.unlink(missing_ok=True)
     return result, received[0] if received else None
-
-
-def _training_worker_niceness() -> str:
-    """Ray starts worker processes at nice 15, below its own daemons and anything else on
-    the node; training workers hold their CPUs in Ray's accounting and run at nice 0, as
-    torchrun's do (2 lock-step workers on 2 cores: epochs about 5 % faster, README
-    Performance). ``RAY_worker_niceness`` set by the user wins."""
-    return os.environ.get(RAY_WORKER_NICENESS, "0")
 
 
 def _train_loop_entry(config: dict[str, Any]) -> dict[str, Any]:

@@ -253,3 +253,16 @@ def apply_ray_train_defaults(embedded: bool = False) -> list[str]:
     for name in added:
         os.environ[name] = defaults[name]
     return added
+
+
+def training_worker_env_vars() -> dict[str, str]:
+    """Environment variables for Ray Train's worker processes.
+
+    Ray starts worker processes at nice 15, below its own daemons and anything else on the
+    node; training workers hold their CPUs in Ray's accounting and run at nice 0, as
+    torchrun's do (2 lock-step workers on 2 cores: epochs about 5 % faster, README
+    Performance). ``RAY_worker_niceness`` set by the user wins.
+    """
+    from ray._private.ray_constants import RAY_WORKER_NICENESS  # Ray's own (lower-case) name
+
+    return {RAY_WORKER_NICENESS: os.environ.get(RAY_WORKER_NICENESS, "0")}

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import os
 
-from raytrain_app.environment import apply_ray_train_defaults, detect_environment
+from raytrain_app.environment import (
+    apply_ray_train_defaults,
+    detect_environment,
+    training_worker_env_vars,
+)
 
 
 def test_plain_machine():
@@ -80,6 +84,13 @@ def test_embedded_ray_defaults_only_for_an_embedded_ray(monkeypatch):
     assert added == ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
     assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
     assert os.environ["RAY_TRAIN_METRICS_ENABLED"] == "1"
+
+
+def test_training_workers_run_at_nice_0_unless_the_user_says_otherwise(monkeypatch):
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    assert training_worker_env_vars() == {"RAY_worker_niceness": "0"}
+    monkeypatch.setenv("RAY_worker_niceness", "10")
+    assert training_worker_env_vars() == {"RAY_worker_niceness": "10"}
 
 
 def test_reads_the_real_process_environment(monkeypatch):
