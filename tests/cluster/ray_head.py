@@ -67,7 +67,9 @@ class RayHead:
         return found
 
     def stop(self) -> None:
-        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        # A test head's state is thrown away: a short grace, then SIGKILL (some of Ray's
+        # processes take over 10 s to honour SIGTERM while a job is being torn down).
+        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
             for pid in self.pids():
                 with contextlib.suppress(ProcessLookupError):  # it may have exited already
                     os.kill(pid, sig)

@@ -105,17 +105,33 @@ class SlurmCluster:
         )
 
     def sbatch_wait(self, args: list[str], timeout: float = 400) -> tuple[str, int]:
-        """``sbatch --wait``; returns (job id, sbatch's exit code)."""
-        result = self.run(["sbatch", "--parsable", "--wait", *args], timeout=timeout)
-        job_id = result.stdout.strip().split(";")[0]
-        return job_id, result.returncode
+        """Submit a job and wait for it to end; returns (job id, the job's exit code).
 
-    def job_state(self, job_id: str) -> str:
+        Polls twice a second: ``sbatch --wait`` backs off to 32 s between its own polls.
+        """
+        submitted = self.run(["sbatch", "--parsable", *args], check=True)
+        job_id = submitted.stdout.strip().split(";")[0]
+        self.wait_for_jobs([job_id], timeout)
+        return job_id, int(self.job_field(job_id, "ExitCode").split(":")[0])
+
+    def wait_for_jobs(self, job_ids: list[str], timeout: float = 300) -> None:
+        """Wait until every job has ended (completed, failed, cancelled, ...)."""
+        deadline = time.monotonic() + timeout
+        while states := {i: s for i in job_ids if (s := self.job_state(i)) not in _ENDED}:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SLURM jobs still {states} after {timeout:.0f} s")
+            time.sleep(0.5)
+
+    def job_field(self, job_id: str, name: str) -> str:
+        """One ``Name=value`` field of ``scontrol show job`` ("" when absent)."""
         out = self.run(["scontrol", "show", "job", job_id]).stdout
         for token in out.split():
-            if token.startswith("JobState="):
+            if token.startswith(f"{name}="):
                 return token.split("=", 1)[1]
-        return "UNKNOWN"
+        return ""
+
+    def job_state(self, job_id: str) -> str:
+        return self.job_field(job_id, "JobState") or "UNKNOWN"
 
     def stop(self) -> None:
         for node in reversed(self.nodes):
@@ -124,6 +140,12 @@ class SlurmCluster:
                 os.kill(node.init_pid, signal.SIGKILL)
                 node.process.wait(timeout=30)
         subprocess.run(["ip", "link", "del", "rt-veth0"], capture_output=True)
+
+
+# Final job states: any other (PENDING, RUNNING, COMPLETING, REQUEUED, ...) may change.
+_ENDED = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
+)
 
 
 def _slurm_conf(root: Path, nodes: list[Node], cpus: int, ports: dict[str, int]) -> str:
@@ -157,6 +179,9 @@ def _slurm_conf(root: Path, nodes: list[Node], cpus: int, ports: dict[str, int])
         "SlurmdTimeout=30",
         "InactiveLimit=0",
         "KillWait=5",
+        # A requeued job becomes eligible about 10 s after its requeue, and nothing but
+        # the backfill pass (every 30 s by default) looks at it then: poll every second.
+        "SchedulerParameters=bf_interval=1",
     ]
     for node in nodes:
         lines.append(

@@ -79,10 +79,7 @@ def test_a_training_job_and_a_sweep_job_share_a_node_without_colliding(one_node)
             ["sbatch", "--parsable", "--cpus-per-task=1", str(SCRIPT), *args], check=True
         )
         ids.append(result.stdout.strip())
-    deadline = time.monotonic() + 300
-    while any(one_node.job_state(i) in ("PENDING", "RUNNING", "COMPLETING") for i in ids):
-        assert time.monotonic() < deadline
-        time.sleep(1)
+    one_node.wait_for_jobs(ids)
     for job_id in ids:
         assert one_node.job_state(job_id) == "COMPLETED", job_log(one_node, job_id)
     assert summary(one_node, "alone")["world_size"] == 1
@@ -106,11 +103,6 @@ def test_two_nodes_put_one_worker_on_each():
         assert sorted(result["worker_nodes"]) == ["10.77.0.1", "10.77.0.2"]
     finally:
         cluster.stop()
-
-
-def _job_field(cluster: SlurmCluster, job_id: str, field: str) -> str:
-    out = cluster.run(["scontrol", "show", "job", job_id]).stdout
-    return re.search(rf"\b{field}=(\S+)", out).group(1)
 
 
 def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node):
@@ -138,9 +130,9 @@ def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node
     while any(one_node.job_state(i) != "COMPLETED" for i in ids.values()):
         states = {i: one_node.job_state(i) for i in ids.values()}
         assert time.monotonic() < deadline and "FAILED" not in states.values(), states
-        time.sleep(1)
+        time.sleep(0.5)
     log = job_log(one_node, ids["preempted"])
-    assert _job_field(one_node, ids["preempted"], "Restarts") == "1", log
+    assert one_node.job_field(ids["preempted"], "Restarts") == "1", log
     assert "stopped on request (SIGUSR1)" in log and "requeued" in log
     assert "resumed from" in log
     preempted, straight = summary(one_node, "preempted"), summary(one_node, "straight")
