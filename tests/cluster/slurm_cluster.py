@@ -105,14 +105,16 @@ class SlurmCluster:
         )
 
     def sbatch_wait(self, args: list[str], timeout: float = 400) -> tuple[str, int]:
-        """Submit a job and wait for it to end; returns (job id, the job's exit code).
+        """Submit a job and wait for it to end; returns (job id, its exit code: 128 + the
+        signal's number when a signal ended it, as a shell reports it).
 
         Polls twice a second: ``sbatch --wait`` backs off to 32 s between its own polls.
         """
         submitted = self.run(["sbatch", "--parsable", *args], check=True)
         job_id = submitted.stdout.strip().split(";")[0]
         self.wait_for_jobs([job_id], timeout)
-        return job_id, int(self.job_field(job_id, "ExitCode").split(":")[0])
+        code, signal_number = (int(x) for x in self.job_field(job_id, "ExitCode").split(":"))
+        return job_id, code or (128 + signal_number if signal_number else 0)
 
     def wait_for_jobs(self, job_ids: list[str], timeout: float = 300) -> None:
         """Wait until every job has ended (completed, failed, cancelled, ...)."""
