@@ -54,33 +54,46 @@ class DriverProgress:
             ray.kill(self.tracker)
 
     def _poll(self) -> None:
-        bar = None
-        epoch = None
+        bars = EpochBars()
         try:
             while not self._stop.wait(_POLL_INTERVAL_S):
                 snap = ray.get(self.tracker.snapshot.remote())
-                if not snap:
-                    continue
-                if snap["epoch"] != epoch:
-                    if bar is not None:
-                        bar.close()
-                    epoch = snap["epoch"]
-                    bar = tqdm(
-                        total=snap["steps"],
-                        desc=f"epoch {epoch}/{snap['epochs']}",
-                        unit="step",
-                        leave=True,
-                        dynamic_ncols=True,
-                    )
-                bar.update(snap["step"] - bar.n)
-                bar.set_postfix(
-                    loss=f"{snap['loss']:.4f}",
-                    samples_s=f"{snap['samples_per_s']:.0f}",
-                    refresh=False,
-                )
-                bar.refresh()
+                if snap:
+                    bars.show(snap)
         except Exception:
             pass
         finally:
-            if bar is not None:
-                bar.close()
+            bars.close()
+
+
+class EpochBars:
+    """One tqdm bar per epoch, drawn from rank 0's snapshots."""
+
+    def __init__(self, **tqdm_kwargs: Any) -> None:
+        self._tqdm_kwargs = {"leave": True, "dynamic_ncols": True, **tqdm_kwargs}
+        self._bar: tqdm | None = None
+        self._epoch: int | None = None
+
+    def show(self, snap: dict[str, Any]) -> None:
+        if snap["epoch"] != self._epoch:
+            self.close()
+            self._epoch = snap["epoch"]
+            # The first snapshot of an epoch arrives some steps in: those steps are where
+            # the bar starts, not progress made in no time (a rate of 500,000 steps/s).
+            self._bar = tqdm(
+                total=snap["steps"],
+                initial=snap["step"],
+                desc=f"epoch {self._epoch}/{snap['epochs']}",
+                unit="step",
+                **self._tqdm_kwargs,
+            )
+        self._bar.update(snap["step"] - self._bar.n)
+        self._bar.set_postfix(
+            loss=f"{snap['loss']:.4f}", samples_s=f"{snap['samples_per_s']:.0f}", refresh=False
+        )
+        self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
