@@ -191,8 +191,12 @@ def test_the_runs_started_only_the_ray_actors_training_needs(runs):
     # On a Ray this process started, without Ray Datasets, Ray Train's dataset manager,
     # autoscaling coordinator and placement-group cleaner would each be one more process
     # to start before the first step (raytrain_app/ray_trainer.py).
+    import ray
     from ray.util.state import list_actors
 
-    started = {actor.class_name for actor in list_actors(limit=1000)}
+    # This session's Ray by address: another Ray on the machine (a parallel test run, the
+    # cluster tier's head) would make an address-less query refuse to pick one.
+    address = ray.get_runtime_context().gcs_address
+    started = {actor.class_name for actor in list_actors(address=address, limit=1000)}
     assert {"TrainController", "RayTrainWorker"} <= started
     assert not started & {"DatasetManager", "PlacementGroupCleaner", "_AutoscalingCoordinatorActor"}

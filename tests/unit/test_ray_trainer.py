@@ -6,6 +6,8 @@ back what it removes, so the names are pinned here. tests/distributed runs the t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import ray
 import ray.train
@@ -74,8 +76,17 @@ def test_the_embedded_scaling_policy_never_asks_an_autoscaler():
     assert decision.num_workers == 2
 
 
-def test_without_ray_nothing_counts_as_started_here():
+@pytest.mark.parametrize(
+    ("node", "started_here"),
+    [
+        (None, False),  # no Ray in this process
+        (SimpleNamespace(head=False), False),  # connected to a cluster by its address
+        (SimpleNamespace(head=True), True),  # ray.init() started a head here
+    ],
+)
+def test_only_a_head_this_process_started_counts_as_started_here(monkeypatch, node, started_here):
     from raytrain_app.driver import ray_started_here
 
-    assert not ray.is_initialized()
-    assert ray_started_here() is False
+    # Independent of any Ray an earlier test left running in this process.
+    monkeypatch.setattr(ray._private.worker, "_global_node", node)
+    assert ray_started_here() is started_here
