@@ -8,7 +8,6 @@ bad input fails fast with exit code 2, then runs a ``TorchTrainer`` whose worker
 from __future__ import annotations
 
 import logging
-import os
 import re
 import signal
 import threading
@@ -30,6 +29,7 @@ from raytrain_app.environment import (
     detect_environment,
     ray_cluster_resources,
     training_worker_env_vars,
+    unset_ray_train_defaults,
 )
 from raytrain_app.errors import BadInputError, RunFailedError, RunStoppedError
 from raytrain_app.loop import WorkerTask, train_worker
@@ -108,8 +108,7 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
     finally:
         if started:
             ray.shutdown()
-        for name in added_defaults:  # a later session in this process may use a cluster
-            os.environ.pop(name, None)
+        unset_ray_train_defaults(added_defaults)
 
 
 def ray_started_here() -> bool:

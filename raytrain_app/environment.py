@@ -255,6 +255,13 @@ def apply_ray_train_defaults(embedded: bool = False) -> list[str]:
     return added
 
 
+def unset_ray_train_defaults(names: list[str]) -> None:
+    """Undo ``apply_ray_train_defaults`` for the ``names`` it returned, so that a later
+    session in this process (on a cluster, say) starts from the user's own environment."""
+    for name in names:
+        os.environ.pop(name, None)
+
+
 def training_worker_env_vars() -> dict[str, str]:
     """Environment variables for Ray Train's worker processes.
 

@@ -9,6 +9,7 @@ from raytrain_app.environment import (
     apply_ray_train_defaults,
     detect_environment,
     training_worker_env_vars,
+    unset_ray_train_defaults,
 )
 
 
@@ -83,6 +84,9 @@ def test_embedded_ray_defaults_only_for_an_embedded_ray(monkeypatch):
     added = apply_ray_train_defaults(embedded=True)
     assert added == ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
     assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    assert os.environ["RAY_TRAIN_METRICS_ENABLED"] == "1"
+    unset_ray_train_defaults(added)  # what raytrain's embedded Ray does when it stops
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
     assert os.environ["RAY_TRAIN_METRICS_ENABLED"] == "1"
 
 
