@@ -1,5 +1,6 @@
 """Data wait: the share of step time spent waiting for the next batch with the Parquet-backed
-loader (raytrain's ``WindowDataset`` in a DataLoader exactly as ``loop.py`` builds it)
+loader (raytrain's ``WindowDataset`` in the loaders ``build_worker_loaders`` makes for
+``loop.py``)
 vs a mock loader that repeats one pre-built batch (Ray's ingest-benchmark method).
 Goal: <= 5 %.
 
@@ -13,33 +14,49 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 
 from benchmarks.common import interleave, median
 from benchmarks.context import Context
 from benchmarks.plain_loop import intra_op_threads
-from benchmarks.workload import GLOBAL_BATCH, GRAD_CLIP, LR, SEED, WEIGHT_DECAY, Workload
-from raytrain_app.protocol import collate
+from benchmarks.workload import (
+    GLOBAL_BATCH,
+    GRAD_CLIP,
+    LR,
+    SEED,
+    WEIGHT_DECAY,
+    Workload,
+    train_config,
+)
+from raytrain_app.config import config_from_dict
+from raytrain_app.environment import detect_environment
+from raytrain_app.plan import make_plan
+from raytrain_app.protocol import DataSplits
+from raytrain_app.worker_loaders import WorkerLoaders, build_worker_loaders
 
 logger = logging.getLogger(__name__)
 
 GOAL_PERCENT = 5.0
 
 
-def loop_py_loader(train_set: Any) -> DataLoader:
-    """The training DataLoader of ``loop.WorkerLoop._loaders`` for 1 worker on CPU."""
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=SEED)
-    return DataLoader(
-        train_set,
-        batch_size=GLOBAL_BATCH,
-        sampler=sampler,
-        drop_last=True,
-        num_workers=0,
-        pin_memory=False,
-        collate_fn=collate,
+def worker_loaders(splits: DataSplits) -> WorkerLoaders:
+    """The loaders a raytrain worker trains with (``build_worker_loaders``), for 1 worker on
+    CPU and without loader processes: the data path itself, in this process."""
+    cfg = config_from_dict(train_config("bench", Path("."), workers=1, epochs=1, data={}))
+    plan = replace(make_plan(cfg, detect_environment()), dataloader_workers=0)
+    return build_worker_loaders(
+        splits.train,
+        splits.val,
+        plan,
+        cfg.dataloader,
+        seed=SEED,
+        rank=0,
+        world_size=1,
+        prepare=lambda loader: loader,
     )
 
 
@@ -63,7 +80,8 @@ class AlternatingTrainer:
 
     def __init__(self, workload: Workload) -> None:
         splits, self.spec = workload.build()
-        self.loader = loop_py_loader(splits.train)
+        self.loaders = worker_loaders(splits)
+        self.loader = self.loaders.train
         self.mock_batch = next(iter(self.loader))
         self.model = self.spec.module
         self.optimizer = torch.optim.AdamW(
@@ -76,9 +94,8 @@ class AlternatingTrainer:
         try:
             return next(self.batches)
         except StopIteration:
-            self.loader.sampler.set_epoch(self.epoch)
+            self.batches = self.loaders.epoch_batches(self.epoch)
             self.epoch += 1
-            self.batches = iter(self.loader)
             return next(self.batches)
 
     def _step(self, batch: Any) -> None:
@@ -127,7 +144,7 @@ def run(ctx: Context) -> dict[str, Any]:
     return {
         "what": (
             f"share of step time waiting for the batch: WindowDataset over Parquet, "
-            f"DistributedSampler(num_replicas=1), batch {GLOBAL_BATCH}, drop_last, "
+            f"raytrain's worker loaders for 1 worker, batch {GLOBAL_BATCH}, drop_last, "
             f"num_workers 0, 1 intra-op thread; real-loader and repeated-batch steps "
             f"alternate on one model, {steps} of each per round"
         ),

@@ -11,38 +11,32 @@ import contextlib
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Subset
 
 from raytrain_app import checkpoint as ckpt
 from raytrain_app.config import RaytrainConfig, config_from_dict
 from raytrain_app.errors import RunFailedError
-from raytrain_app.global_metrics import (
-    Averages,
-    EpochProgress,
-    gather,
-    merged_epoch_progress,
-)
+from raytrain_app.global_metrics import Averages, EpochProgress, gather
 from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
-from raytrain_app.memory_probe import probe_micro_batch
+from raytrain_app.memory_probe import fit_plan_to_memory
 from raytrain_app.metrics_log import MetricsLog
 from raytrain_app.model_companions import broadcast_buffers, make_ema, register_comm_hook
 from raytrain_app.monitor import SCORE_KEY, check_monitor, checkpoint_score
-from raytrain_app.plan import TrainingPlan, lr_factor, plan_batch, steps_per_epoch
-from raytrain_app.protocol import ModelSpec, collate
+from raytrain_app.plan import TrainingPlan, lr_factor, steps_per_epoch
+from raytrain_app.protocol import ModelSpec
 from raytrain_app.rank_zero import is_rank_zero, rank_zero_info, set_rank
-from raytrain_app.sampler import ResumableDistributedSampler
-from raytrain_app.session import RayTrainSession, WorkerSession, scratch_dir, to_device
+from raytrain_app.session import RayTrainSession, WorkerSession, scratch_dir
 from raytrain_app.step_agreement import StepAgreement
 from raytrain_app.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
 from raytrain_app.tracking import Tracker, open_tracker
+from raytrain_app.train_state import LoopState, Trainables, load_resumable, save_resumable
+from raytrain_app.worker_loaders import WorkerLoaders, build_worker_loaders
 from raytrain_app.workloads import FactoryRef, build_data, build_model
 
 logger = logging.getLogger(__name__)
@@ -72,17 +66,6 @@ class WorkerTask:
     stop_file: str | None = None  # the driver creates it to ask for a checkpoint and a stop
 
 
-@dataclass
-class LoopState:
-    """Counters saved in checkpoints."""
-
-    epoch: int = 0  # completed epochs
-    step: int = 0  # optimizer steps taken, skipped non-finite ones included
-    history: list[dict[str, float]] = field(default_factory=list)
-    step_in_epoch: int = 0  # steps of the unfinished epoch ``epoch`` already taken
-    skipped_steps: int = 0  # steps skipped for a non-finite loss (train.on_nonfinite=skip)
-
-
 def train_worker(task: WorkerTask) -> dict[str, Any]:
     """Ray Train entry point (``train_loop_per_worker``)."""
     return WorkerLoop(task, RayTrainSession()).run()
@@ -105,6 +88,7 @@ class WorkerLoop:
         self._last_stop_poll = 0.0
         self.tracker = Tracker()  # rank 0's TensorBoard / MLflow / W&B, opened in _run
         self._monitor_checked = False
+        self.loaders: WorkerLoaders | None = None  # built in setup
 
     def run(self) -> dict[str, Any]:
         failed = True
@@ -114,18 +98,8 @@ class WorkerLoop:
             return result
         finally:
             self.tracker.close(failed=failed)
-            self._shut_down_loader_processes()
-
-    def _shut_down_loader_processes(self) -> None:
-        """Persistent DataLoader processes otherwise linger until garbage collection, each
-        then waiting seconds to be killed: a reused Tune actor or a test would wait too."""
-        for loader in (
-            getattr(self, "raw_train_loader", None),
-            getattr(self, "raw_val_loader", None),
-        ):
-            iterator = getattr(loader, "_iterator", None)
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
+            if self.loaders is not None:
+                self.loaders.shut_down()
 
     def _run(self) -> dict[str, Any]:
         setup_logging(self.task.log_level)
@@ -200,7 +174,15 @@ class WorkerLoop:
         if plan.gradient_checkpointing:  # the driver checked the model has the hook
             self.module.gradient_checkpointing_enable()
         if plan.memory_probe:
-            self.plan = plan = self._fit_micro_batch_to_memory(splits.train)
+            self.plan = plan = fit_plan_to_memory(
+                plan,
+                self.spec,
+                self.module,
+                splits.train,
+                self._autocast,
+                self.device,
+                self.world_size,
+            )
         self.model = self.session.prepare_model(
             self.module,
             plan.strategy,
@@ -222,7 +204,16 @@ class WorkerLoop:
             # Compiles the DDP-wrapped model, so Dynamo splits graphs at DDP's buckets;
             # checkpoints store the plain module's state_dict (no "_orig_mod.").
             self.model = torch.compile(self.model)
-        self.train_loader, self.val_loader = self._loaders(splits.train, splits.val)
+        self.loaders = build_worker_loaders(
+            splits.train,
+            splits.val,
+            plan,
+            cfg.dataloader,
+            seed=seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            prepare=self.session.prepare_loader,
+        )
         self.steps_per_epoch = steps_per_epoch(len(splits.train), plan.effective_batch_size)
         self.total_steps = self.steps_per_epoch * cfg.train.epochs
         self.optimizer = self._optimizer()
@@ -234,53 +225,6 @@ class WorkerLoop:
         # Dropout and other runtime randomness differ per rank, as independent replicas should.
         self._seed_runtime_rng(seed + 1 + self.rank)
         rank_zero_info(logger, "plan: %s", self._plan_line(len(splits.train), len(splits.val)))
-
-    def _fit_micro_batch_to_memory(self, train_set: Any) -> TrainingPlan:
-        """Probe the largest micro-batch that fits (the smallest over all ranks) and re-split
-        the global batch with accumulation; turn gradient checkpointing on first when it is
-        ``auto``, the batch does not fit, and the model supports it."""
-        plan = self.plan
-        self.module.to(self.device)  # the probe runs before DDP, on the bare module
-
-        def probe() -> int:
-            fits = probe_micro_batch(
-                self.spec,
-                self.module,
-                train_set,
-                collate,
-                lambda batch: to_device(batch, self.device),
-                plan.per_worker_batch_size,
-                self._autocast,
-                self.device,
-            )
-            fits_everywhere = torch.tensor(float(fits), device=self.device)
-            if self.world_size > 1 and dist.is_initialized():
-                dist.all_reduce(fits_everywhere, op=dist.ReduceOp.MIN)
-            return int(fits_everywhere.item())
-
-        fits = probe()
-        checkpointing = plan.gradient_checkpointing
-        hook = getattr(self.module, "gradient_checkpointing_enable", None)
-        if fits < plan.per_worker_batch_size and plan.gradient_checkpointing_auto and hook:
-            hook()
-            checkpointing = True
-            fits = probe()
-        split = plan_batch(plan.effective_batch_size, plan.world_size, fits)
-        rank_zero_info(
-            logger,
-            "memory probe: micro-batch %d fits%s; %d x %d accumulation keeps the global batch %d",
-            fits,
-            " with gradient checkpointing" if checkpointing else "",
-            split.micro_batch,
-            split.accum_steps,
-            split.global_batch,
-        )
-        return replace(
-            plan,
-            per_worker_batch_size=split.micro_batch,
-            grad_accum_steps=split.accum_steps,
-            gradient_checkpointing=checkpointing,
-        )
 
     def _plan_line(self, n_train: int, n_val: int) -> str:
         p = self.plan
@@ -297,47 +241,6 @@ class WorkerLoop:
         torch.manual_seed(seed)
         np.random.seed(seed % 2**32)
         random.seed(seed)
-
-    def _loaders(self, train_set, val_set) -> tuple[DataLoader, DataLoader]:
-        plan = self.plan
-        loader_kwargs: dict[str, Any] = {
-            "num_workers": plan.dataloader_workers,
-            "pin_memory": plan.pin_memory,
-            # Takes a dataset's batched __getitems__ result as is (see protocol.py).
-            "collate_fn": collate,
-        }
-        if plan.dataloader_workers > 0:
-            loader_kwargs["persistent_workers"] = self.cfg.dataloader.persistent_workers
-            loader_kwargs["prefetch_factor"] = self.cfg.dataloader.prefetch_factor
-        # One sampler for every world size: rank r takes every W-th index of the same
-        # seeded permutation, so a global step sees the same samples for 1 or 64 workers.
-        sampler = ResumableDistributedSampler(
-            train_set,
-            num_replicas=self.world_size,
-            rank=self.rank,
-            shuffle=True,
-            seed=self.cfg.experiment.seed,
-        )
-        self.sampler = sampler
-        # The loader's own generator seeds its worker processes per (epoch, rank), so
-        # creating an iterator never draws from the global RNG a resume restores.
-        self.loader_generator = torch.Generator()
-        train = DataLoader(
-            train_set,
-            batch_size=plan.per_worker_batch_size,
-            sampler=sampler,
-            drop_last=True,
-            generator=self.loader_generator,
-            **loader_kwargs,
-        )
-        # Validation shards without padding so that every sample counts exactly once.
-        val_shard = Subset(val_set, range(self.rank, len(val_set), self.world_size))
-        # Without gradients a worker's whole share fits, unless a memory probe measured
-        # the micro-batch: then validation stays within what was measured.
-        val_batch = plan.per_worker_batch_size * (1 if plan.memory_probe else plan.grad_accum_steps)
-        val = DataLoader(val_shard, batch_size=val_batch, **loader_kwargs)
-        self.raw_train_loader, self.raw_val_loader = train, val
-        return self.session.prepare_loader(train), self.session.prepare_loader(val)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         train = self.cfg.train
@@ -361,55 +264,20 @@ class WorkerLoop:
             if restored is None:
                 return
             # A torn or corrupted newest checkpoint falls back to the next older one.
-            directory = ckpt.usable_checkpoint(restored)
-            state = ckpt.load_train_state(directory)
-            weights = torch.load(
-                directory / ckpt.MODEL_FILE, map_location=self.device, weights_only=True
-            )
-            ema_file = directory / ckpt.EMA_FILE
-            ema_weights = (
-                torch.load(ema_file, map_location=self.device, weights_only=True)
-                if ema_file.is_file()
-                else None
-            )
-        self.module.load_state_dict(weights)
-        if self.ema is not None and ema_weights is not None:
-            self.ema.module.load_state_dict(ema_weights)
-            self.ema.n_averaged.fill_(state["ema_n_averaged"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        # The current plan's lr wins over the saved one: equal on a plain resume, different
-        # when a Tune PBT trial continues a better trial's checkpoint with a mutated lr.
-        self.scheduler.base_lrs = [self.plan.lr] * len(self.scheduler.base_lrs)
-        self.scaler.load_state_dict(state["scaler"])
-        self.state = LoopState(
-            epoch=state["epoch"],
-            step=state["step"],
-            history=state["history"],
-            step_in_epoch=state["step_in_epoch"],
-            skipped_steps=state["skipped_steps"],
-        )
-        ranks = state["ranks"]
-        if len(ranks) == self.world_size:
-            ckpt.set_rng_state(ranks[self.rank]["rng"])
-            self._resumed_epoch = ranks[self.rank]["epoch"]
-        else:
-            rank_zero_info(
-                logger,
-                "checkpoint was written by %d workers, this run has %d: "
-                "random streams restart from the seed",
-                len(ranks),
-                self.world_size,
-            )
-            # A global step covers the same samples for any world size, so the epoch's
-            # sums stay exact when rank 0 carries all of them.
-            self._resumed_epoch = merged_epoch_progress([r["epoch"] for r in ranks], self.rank)
+            resumed = load_resumable(restored, self._trainables(), self.plan.lr, self.device)
+        self.state = resumed.state
+        self._resumed_epoch = resumed.restore_rank(self.rank, self.world_size)
         rank_zero_info(
             logger,
             "resumed from %s at epoch %d, step %d",
-            directory,
+            resumed.directory,
             self.state.epoch + 1 if self.state.step_in_epoch else self.state.epoch,
             self.state.step,
+        )
+
+    def _trainables(self) -> Trainables:
+        return Trainables(
+            self.model, self.module, self.optimizer, self.scheduler, self.scaler, self.ema
         )
 
     # -- train ----------------------------------------------------------------------------
@@ -428,18 +296,12 @@ class WorkerLoop:
     def train_epoch(self, epoch: int) -> dict[str, float] | None:
         """Train one epoch (or its rest, after a mid-epoch resume); None if stopped early."""
         self.model.train()
-        self.sampler.set_epoch(epoch)  # Ray's prepare_data_loader never does this.
-        set_dataset_epoch = getattr(self.sampler.dataset, "set_epoch", None)
-        if set_dataset_epoch is not None:  # optional hook: per-epoch augmentation (protocol.py)
-            set_dataset_epoch(epoch)
-        self.loader_generator.manual_seed(_loader_seed(self.cfg.experiment.seed, epoch, self.rank))
         plan = self.plan
         accum = plan.grad_accum_steps
         first_step = self.state.step_in_epoch
-        self.sampler.skip_next(first_step * accum * plan.per_worker_batch_size)
+        batches = self.loaders.epoch_batches(epoch, first_step * accum * plan.per_worker_batch_size)
         progress = EpochProgress(self.device, self._resumed_epoch)
         self._resumed_epoch = None
-        batches = iter(self.train_loader)
         start = last_push = time.perf_counter()
         for step_in_epoch in range(first_step, self.steps_per_epoch):
             micro_results = []
@@ -583,7 +445,7 @@ class WorkerLoop:
         broadcast_buffers(module, self.world_size)
         module.eval()
         averages = Averages(self.device)
-        for batch in self.val_loader:
+        for batch in self.loaders.val:
             with self._autocast():
                 out = self.spec.step(module, batch)
             averages.add({"loss": out.loss, **out.metrics}, out.num_samples)
@@ -615,21 +477,11 @@ class WorkerLoop:
             self.session.report(reported, None, name)
             return
         with scratch_dir() as directory:
-            ckpt.save_checkpoint(
+            save_resumable(
                 directory,
-                model=self.model,
-                train_state={
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                    "scaler": self.scaler.state_dict(),
-                    "epoch": self.state.epoch,
-                    "step": self.state.step,
-                    "step_in_epoch": self.state.step_in_epoch,
-                    "skipped_steps": self.state.skipped_steps,
-                    "history": self.state.history,
-                    "ranks": ranks,
-                    "ema_n_averaged": int(self.ema.n_averaged) if self.ema is not None else 0,
-                },
+                self._trainables(),
+                self.state,
+                ranks,
                 meta={
                     "model_factory": asdict(self.task.model),
                     "data_factory": asdict(self.task.data),
@@ -639,11 +491,5 @@ class WorkerLoop:
                     "step": self.state.step,
                     "metrics": row,
                 },
-                ema=self.ema.module if self.ema is not None else None,
             )
             self.session.report(reported, directory, name)
-
-
-def _loader_seed(seed: int, epoch: int, rank: int) -> int:
-    """Seed of a rank's loader generator for one epoch: reproducible, distinct per rank."""
-    return (seed * 1_000_003 + epoch * 10_007 + rank) % 2**63

@@ -11,13 +11,18 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from raytrain_app.errors import RunFailedError
-from raytrain_app.protocol import ModelSpec
+from raytrain_app.plan import TrainingPlan, plan_batch
+from raytrain_app.protocol import ModelSpec, collate
+from raytrain_app.rank_zero import rank_zero_info
+from raytrain_app.session import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -90,3 +95,61 @@ def probe_micro_batch(
         fits = largest_fitting(try_micro_batch, upper)
     module.train(was_training)
     return fits
+
+
+def fit_plan_to_memory(
+    plan: TrainingPlan,
+    spec: ModelSpec,
+    module: nn.Module,
+    train_set: Any,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    device: torch.device,
+    world_size: int,
+) -> TrainingPlan:
+    """``plan`` with the largest micro-batch that fits on every rank (the smallest over
+    all ranks) and the global batch kept with accumulation. Gradient checkpointing is
+    turned on first when it is ``auto``, the batch does not fit, and the model supports it.
+
+    Runs on every rank before DDP wraps the bare ``module``.
+    """
+    module.to(device)
+
+    def probe() -> int:
+        fits = probe_micro_batch(
+            spec,
+            module,
+            train_set,
+            collate,
+            lambda batch: to_device(batch, device),
+            plan.per_worker_batch_size,
+            autocast,
+            device,
+        )
+        fits_everywhere = torch.tensor(float(fits), device=device)
+        if world_size > 1 and dist.is_initialized():
+            dist.all_reduce(fits_everywhere, op=dist.ReduceOp.MIN)
+        return int(fits_everywhere.item())
+
+    fits = probe()
+    checkpointing = plan.gradient_checkpointing
+    hook = getattr(module, "gradient_checkpointing_enable", None)
+    if fits < plan.per_worker_batch_size and plan.gradient_checkpointing_auto and hook:
+        hook()
+        checkpointing = True
+        fits = probe()
+    split = plan_batch(plan.effective_batch_size, plan.world_size, fits)
+    rank_zero_info(
+        logger,
+        "memory probe: micro-batch %d fits%s; %d x %d accumulation keeps the global batch %d",
+        fits,
+        " with gradient checkpointing" if checkpointing else "",
+        split.micro_batch,
+        split.accum_steps,
+        split.global_batch,
+    )
+    return replace(
+        plan,
+        per_worker_batch_size=split.micro_batch,
+        grad_accum_steps=split.accum_steps,
+        gradient_checkpointing=checkpointing,
+    )

@@ -49,21 +49,18 @@ def _image_task(tmp_path: Path, **train: object) -> WorkerTask:
 
 
 def _run(task: WorkerTask, session: LocalSession) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``run_loop`` that also checks the dataset's epoch and stops the loader processes.
-
-    A DataLoader iterator left to the cyclic garbage collector waits 5 s per loader process
-    before killing it; Ray workers exit instead, a test process would just be slow.
+    """``run_loop`` that also checks the dataset's epoch hook and that the loop stopped its
+    persistent loader processes: left to the cyclic garbage collector, each would wait 5 s
+    to be killed, in a reused Tune actor too.
     """
     loop = WorkerLoop(task, session)
-    try:
-        result = loop.run()
-        # The loop called the dataset's epoch hook (protocol.py) for the last epoch.
-        assert int(loop.train_loader.dataset._epoch) == task.config["train"]["epochs"] - 1
-        return result, {k: v.clone() for k, v in loop.module.state_dict().items()}
-    finally:
-        for loader in (loop.train_loader, loop.val_loader):
-            if loader._iterator is not None:
-                loader._iterator._shutdown_workers()
+    result = loop.run()
+    # The loop called the dataset's epoch hook (protocol.py) for the last epoch.
+    assert int(loop.loaders.train.dataset._epoch) == task.config["train"]["epochs"] - 1
+    iterators = [loader._iterator for loader in loop.loaders.raw if loader._iterator]
+    assert iterators  # persistent loader processes ran
+    assert not any(process.is_alive() for it in iterators for process in it._workers)
+    return result, {k: v.clone() for k, v in loop.module.state_dict().items()}
 
 
 def test_an_image_run_resumes_mid_epoch_exactly_and_its_checkpoint_predicts(tmp_path):
