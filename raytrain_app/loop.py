@@ -340,7 +340,10 @@ class WorkerLoop:
                 )
             ):
                 last_push = now
-                self._push_progress(epoch, step_in_epoch + 1, out.loss, now - start)
+                # The epoch's training time so far: the part before a mid-epoch checkpoint
+                # (or before a resume) included, as the step count is.
+                elapsed = progress.elapsed_s + now - start
+                self._push_progress(epoch, step_in_epoch + 1, out.loss, elapsed)
             if step_in_epoch + 1 < self.steps_per_epoch and (
                 self._stop or self._step_checkpoint_due()
             ):
@@ -357,8 +360,10 @@ class WorkerLoop:
             **progress.averages.global_means("train_", self._metric_names),
         }
         row["lr"] = self.scheduler.get_last_lr()[0]
-        steps_run = self.steps_per_epoch - first_step
-        row["samples_per_s"] = steps_run * plan.effective_batch_size / max(progress.elapsed_s, 1e-9)
+        # elapsed_s is the whole epoch's training time, the part before a resume included
+        # (without the time lost to the interruption), so the rate is over all its steps.
+        epoch_samples = self.steps_per_epoch * plan.effective_batch_size
+        row["samples_per_s"] = epoch_samples / max(progress.elapsed_s, 1e-9)
         row["epoch_time_s"] = progress.elapsed_s
         if self.cfg.train.on_nonfinite == "skip":
             # Every rank skipped the same steps (they agree after each step).

@@ -110,3 +110,34 @@ def test_a_stop_request_checkpoints_at_the_next_step_and_resumes_exactly(tmp_pat
     Path(task.stop_file).unlink()
     resumed = run_loop(make_task(tmp_path / "b"), LocalSession(storage))
     assert_same_run(resumed, reference)
+
+
+class RecordedProgress:
+    """Stands in for the driver's progress actor: keeps what rank 0 pushed."""
+
+    def __init__(self) -> None:
+        self.pushed: list[dict] = []
+        self.update = self  # called as ``progress.update.remote(**fields)``
+
+    def remote(self, **fields) -> None:
+        self.pushed.append(fields)
+
+
+def test_throughput_covers_the_whole_epoch_across_checkpoints_and_resumes(tmp_path):
+    """An epoch's samples/s is its samples over its training time, whether it was cut by
+    mid-epoch checkpoints or resumed after a crash (the time lost in between excluded)."""
+    task = make_task(tmp_path, checkpoint_every_steps=3, model_params={"sleep_s": 0.002})
+    task.progress = RecordedProgress()
+    storage = tmp_path / "ckpt"
+    with pytest.raises(Crash):  # the 7th checkpoint is 2 steps into epoch 2 (step 18)
+        run_loop(task, LocalSession(storage, crash_after_checkpoints=7))
+    result, _ = run_loop(task, LocalSession(storage))
+
+    epoch_samples = 16 * 32  # steps per epoch x global batch
+    for row in result["history"]:  # epoch 2 was resumed at its step 2
+        assert row["samples_per_s"] * row["epoch_time_s"] == pytest.approx(epoch_samples)
+    # The bar's rate at an epoch's last step is that epoch's rate, not the rate since the
+    # last mid-epoch checkpoint (which was one step earlier).
+    last_steps = [p for p in task.progress.pushed if p["step"] == 16]
+    for pushed, row in zip(last_steps[-3:], result["history"], strict=True):
+        assert pushed["samples_per_s"] == pytest.approx(row["samples_per_s"], rel=0.25)
