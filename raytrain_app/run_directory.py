@@ -11,8 +11,20 @@ from typing import Any
 from raytrain_app.config import ConfigError, RaytrainConfig, diff_configs, load_config, save_config
 from raytrain_app.errors import BadInputError
 
-# Keys that do not change what is trained, so they may differ when resuming.
-_RESUMABLE_DIFFERENCES = ("fault_tolerance", "tracking")
+# Keys that do not change what is trained, so they may differ when resuming. The number
+# of workers is one of them: the global batch is the user's number and a global step
+# covers the same samples for any world size, so a run checkpointed by 8 workers may
+# continue on 4 (train_state.py merges the unfinished epoch's sums). What follows from the
+# world size (SyncBatchNorm under auto) and the CPUs each worker and its loader get may
+# change with it.
+_RESUMABLE_DIFFERENCES = (
+    "fault_tolerance",
+    "tracking",
+    "scaling.num_workers",
+    "scaling.cpus_per_worker",
+    "distributed.sync_batchnorm",
+    "dataloader.num_workers",
+)
 
 
 @dataclass(frozen=True)
