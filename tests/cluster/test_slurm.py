@@ -127,10 +127,10 @@ def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node
         time.sleep(0.2)
     one_node.run(["scancel", "--signal=USR1", "--batch", ids["preempted"]], check=True)
 
-    while any(one_node.job_state(i) != "COMPLETED" for i in ids.values()):
-        states = {i: one_node.job_state(i) for i in ids.values()}
-        assert time.monotonic() < deadline and "FAILED" not in states.values(), states
-        time.sleep(0.5)
+    # A requeued job passes through REQUEUED and PENDING, which are not ended states.
+    one_node.wait_for_jobs(list(ids.values()), timeout=deadline - time.monotonic())
+    states = {i: one_node.job_state(i) for i in ids.values()}
+    assert set(states.values()) == {"COMPLETED"}, states
     log = job_log(one_node, ids["preempted"])
     assert one_node.job_field(ids["preempted"], "Restarts") == "1", log
     assert "stopped on request (SIGUSR1)" in log and "requeued" in log
