@@ -33,10 +33,10 @@ from benchmarks.workload import (
     train_config,
 )
 from raytrain_app.config import config_from_dict
-from raytrain_app.environment import detect_environment
-from raytrain_app.plan import make_plan
+from raytrain_app.planning.environment import detect_environment
+from raytrain_app.planning.rules import make_plan
 from raytrain_app.protocol import DataSplits
-from raytrain_app.worker_loaders import WorkerLoaders, build_worker_loaders
+from raytrain_app.worker.loaders import WorkerLoaders, build_worker_loaders
 
 logger = logging.getLogger(__name__)
 

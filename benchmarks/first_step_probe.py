@@ -83,7 +83,7 @@ def _trace_worker_setup(stamp_file: str) -> None:
     import ray.train
     import ray.train.torch
 
-    from raytrain_app import loop
+    from raytrain_app.worker import loop
 
     _timed(ray.train.torch, "prepare_model", stamp_file)
     _timed(ray.train.torch, "prepare_data_loader", stamp_file)

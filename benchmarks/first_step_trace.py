@@ -47,7 +47,8 @@ def main() -> int:
     import ray.train.torch
 
     stamp("ray_train_imported")
-    from raytrain_app import cli, driver
+    from raytrain_app import cli
+    from raytrain_app.driver import training as driver
 
     stamp("raytrain_imported")
     ray.init = timed(ray.init, "ray_init")

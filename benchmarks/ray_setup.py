@@ -118,7 +118,7 @@ class LocalRay:
     def ensure(self) -> None:
         import ray
 
-        from raytrain_app.environment import apply_ray_train_defaults
+        from raytrain_app.planning.environment import apply_ray_train_defaults
 
         if ray.is_initialized():
             return

@@ -25,10 +25,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from raytrain_app.config import config_from_dict, config_to_dict
-from raytrain_app.environment import detect_environment
-from raytrain_app.loop import WorkerLoop, WorkerTask
-from raytrain_app.plan import make_plan, resolve_config
-from raytrain_app.run_directory import RunDirectory
+from raytrain_app.driver.run_directory import RunDirectory
+from raytrain_app.planning.environment import detect_environment
+from raytrain_app.planning.rules import make_plan, resolve_config
+from raytrain_app.worker.loop import WorkerLoop, WorkerTask
 from raytrain_app.workloads import model_factory, prepare_data
 
 

@@ -31,7 +31,7 @@ from benchmarks.workload import (
     train_config,
 )
 from raytrain_app.config import config_from_dict
-from raytrain_app.run_directory import RunDirectory
+from raytrain_app.driver.run_directory import RunDirectory
 
 logger = logging.getLogger(__name__)
 

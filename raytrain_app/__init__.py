@@ -8,7 +8,7 @@ The Python API mirrors the CLI::
     model = rt.load_model(result.checkpoint)
 """
 
-from raytrain_app.checkpoint import load_model
+from raytrain_app.checkpoint.loading import load_model
 from raytrain_app.config import ConfigError, RaytrainConfig, config_from_dict, load_config
 from raytrain_app.errors import BadInputError, RunFailedError
 from raytrain_app.protocol import CollatedBatch, DataSplits, ModelSpec, StepOutput
@@ -34,7 +34,7 @@ __all__ = [
 
 def train(config=None, *, overrides=(), address=None, progress=True):
     """Train a config (object, dict, YAML path or None for the quickstart); see driver.train."""
-    from raytrain_app.driver import train as _train
+    from raytrain_app.driver.training import train as _train
 
     return _train(_as_config(config, overrides), address=address, progress=progress)
 
@@ -42,7 +42,7 @@ def train(config=None, *, overrides=(), address=None, progress=True):
 def tune(config=None, *, overrides=(), address=None):
     """Run the sweep of ``config.tune`` (default: the built-in wind sweep); a TuneResult."""
     from raytrain_app.config import BUILTIN_SWEEP
-    from raytrain_app.tuning import tune_sweep
+    from raytrain_app.sweep.tuning import tune_sweep
 
     if config is None:
         return tune_sweep(load_config(None, overrides, builtin=BUILTIN_SWEEP), address=address)
@@ -58,7 +58,7 @@ def submit(command, *, address=None, working_dir=".", wait=True):
 
 def plan(config=None, *, overrides=(), address=None):
     """The resolved TrainingPlan of a config, without starting any training."""
-    from raytrain_app.driver import connected_plan
+    from raytrain_app.driver.ray_connection import connected_plan
 
     return connected_plan(_as_config(config, overrides), address)[1]
 

@@ -192,7 +192,7 @@ def _format_plan(env, plan) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from raytrain_app.driver import connected_plan
+    from raytrain_app.driver.ray_connection import connected_plan
 
     cfg = load_config(args.config, args.overrides)
     env, plan = connected_plan(cfg, args.address)
@@ -204,7 +204,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from raytrain_app.driver import train
+    from raytrain_app.driver.training import train
     from raytrain_app.workloads import check_sources
 
     cfg = load_config(args.config, args.overrides)
@@ -240,7 +240,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     from raytrain_app.config import BUILTIN_SWEEP
-    from raytrain_app.tuning import tune_sweep
+    from raytrain_app.sweep.tuning import tune_sweep
     from raytrain_app.workloads import check_sources
 
     cfg = load_config(args.config, args.overrides, builtin=BUILTIN_SWEEP)

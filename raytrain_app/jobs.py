@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from raytrain_app.environment import enable_client_token_auth, job_server_address
+from raytrain_app.driver.reachability import check_reachable
 from raytrain_app.errors import BadInputError
-from raytrain_app.reachability import check_reachable
+from raytrain_app.planning.environment import enable_client_token_auth, job_server_address
 
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 SUBMITTABLE = ("train", "tune")

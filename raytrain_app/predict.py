@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader
 
-from raytrain_app.checkpoint import load_model_spec
+from raytrain_app.checkpoint.loading import load_model_spec
 from raytrain_app.errors import BadInputError
 from raytrain_app.workloads import FactoryRef, build_data
 

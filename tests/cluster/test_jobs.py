@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import EXAMPLES
 
 pytestmark = pytest.mark.cluster
 
@@ -225,7 +226,7 @@ def test_ctrl_c_while_watching_leaves_the_job_running(ray_head, project):
 
 
 def test_user_code_travels_with_the_job(ray_head, tmp_path):
-    examples = Path(__file__).resolve().parents[2] / "examples"
+    examples = EXAMPLES
     out = tmp_path / "runs"
     result = raytrain(
         [

@@ -14,10 +14,11 @@ import ipykernel.kernelspec
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from paths import ROOT
 
 pytestmark = pytest.mark.cluster
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "notebooks_driver" / "quickstart.ipynb"
+QUICKSTART = ROOT / "notebooks_driver" / "quickstart.ipynb"
 EPOCHS = 2
 SWEEP_SAMPLES = 2
 # The synthetic data shrunk to under a quarter of a year: the test checks the notebook

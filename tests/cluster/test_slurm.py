@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import ROOT
 from slurm_cluster import SlurmCluster, missing_requirements, start_cluster
 
 pytestmark = [
@@ -16,7 +17,7 @@ pytestmark = [
     pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements())),
 ]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "cluster" / "slurm" / "raytrain.sbatch"
+SCRIPT = ROOT / "cluster" / "slurm" / "raytrain.sbatch"
 
 
 def tiny_config(cluster: SlurmCluster, name: str, workers: int) -> Path:

@@ -5,17 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import ray
+from paths import EXAMPLES, TEST_WORKLOADS
 
-from raytrain_app.environment import apply_ray_train_defaults
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-TEST_WORKLOADS = Path(__file__).resolve().parent / "workloads"
+from raytrain_app.planning.environment import apply_ray_train_defaults
 
 
 def _free_port() -> int:
@@ -34,15 +30,12 @@ def ray_cluster():
     saved_pythonpath = os.environ.get("PYTHONPATH")
     paths = [str(EXAMPLES), str(TEST_WORKLOADS)]
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, saved_pythonpath]))
-    sys.path[:0] = paths
     # Ray's own ports are 0 (the OS picks free ones); the dashboard (the State API some
     # tests query) gets a free port too, so parallel sessions never collide.
     ray.init(num_cpus=2, dashboard_port=_free_port(), _temp_dir=temp_dir, logging_level="WARNING")
     yield ray.cluster_resources()
     ray.shutdown()
     shutil.rmtree(temp_dir, ignore_errors=True)
-    for path in paths:
-        sys.path.remove(path)
     if saved_pythonpath is None:
         os.environ.pop("PYTHONPATH", None)
     else:

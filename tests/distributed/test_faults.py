@@ -23,9 +23,9 @@ import yaml
 from torch import nn
 
 import raytrain_app as rt
-from raytrain_app import checkpoint as ckpt
+from raytrain_app.checkpoint import store as ckpt
 from raytrain_app.errors import RunFailedError
-from raytrain_app.metrics_log import read_metrics
+from raytrain_app.tracking.metrics_log import read_metrics
 from raytrain_app.workloads import FactoryRef, build_data
 
 pytestmark = pytest.mark.distributed

@@ -12,7 +12,8 @@ import yaml
 from torch import nn
 
 import raytrain_app as rt
-from raytrain_app.checkpoint import MODEL_FILE, find_checkpoint, read_meta
+from raytrain_app.checkpoint.loading import find_checkpoint
+from raytrain_app.checkpoint.store import MODEL_FILE, read_meta
 from raytrain_app.cli import main
 from raytrain_app.models.resnet_small import ResNetSmall
 from raytrain_app.workloads import FactoryRef, build_data

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 import raytrain_app as rt
-from raytrain_app import checkpoint as ckpt
+from raytrain_app.checkpoint import store as ckpt
+from raytrain_app.checkpoint.loading import find_checkpoint
 from raytrain_app.errors import BadInputError
-from raytrain_app.tracking import read_tensorboard_scalars
+from raytrain_app.tracking.tensorboard_tracker import read_tensorboard_scalars
 
 pytestmark = pytest.mark.distributed
 
@@ -83,7 +84,7 @@ def test_the_best_checkpoint_survives_next_to_the_newest(run):
     expected = {(row["epoch"], row["epoch"] * STEPS_PER_EPOCH) for row in by_val[:2]}
     assert kept == expected | {(EPOCHS, EPOCHS * STEPS_PER_EPOCH)}
     # Inference from the run directory takes the best checkpoint.
-    assert ckpt.find_checkpoint(run.run_dir) == best
+    assert find_checkpoint(run.run_dir) == best
     rt.load_model(run.run_dir)
 
 

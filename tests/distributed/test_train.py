@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import raytrain_app as rt
-from raytrain_app.checkpoint import MODEL_FILE, read_meta
+from raytrain_app.checkpoint.store import MODEL_FILE, read_meta
 from raytrain_app.errors import BadInputError
 from raytrain_app.models.wind_transformer import WindTransformer
 from raytrain_app.workloads import FactoryRef, build_data

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from paths import EXAMPLES
 from torch import nn
 
 import raytrain_app as rt
 
 pytestmark = pytest.mark.distributed
 
-EXAMPLE_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "sine.yaml"
+EXAMPLE_CONFIG = EXAMPLES / "sine.yaml"
 
 
 def test_example_user_package_trains_and_loads(ray_cluster, tmp_path):

@@ -1,0 +1,130 @@
+"""``train.monitor`` / ``train.mode``: which checkpoint is the best one.
+
+Ray Train keeps the ``train.keep_checkpoints`` best checkpoints by a reported score plus
+always the newest one (``CheckpointManager`` never deletes its latest checkpoint), so a
+resume always finds the newest. The score is a finite number under its own key: mid-epoch
+checkpoints have no epoch metrics, and Ray persists NaN and infinities as ``null``, which
+it then cannot order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raytrain_app.checkpoint.store import checkpoints_newest_first, read_meta
+from raytrain_app.config import TrainConfig
+from raytrain_app.errors import BadInputError
+
+# The reported key Ray's CheckpointConfig ranks checkpoints by (larger is better).
+SCORE_KEY = "checkpoint_score"
+# Below every real score: mid-epoch checkpoints and non-finite metrics, kept only as newest.
+WORST_SCORE = -1.0e300
+
+
+class UnknownMonitorError(BadInputError):
+    """``train.monitor`` names a metric the run does not report."""
+
+
+def checkpoint_score(metrics: Mapping[str, Any], monitor: str, mode: str) -> float:
+    """The score Ray ranks a checkpoint by: the monitored value, negated for ``min``."""
+    value = metrics.get(monitor)
+    if metrics.get("mid_epoch") or not isinstance(value, int | float) or not math.isfinite(value):
+        return WORST_SCORE
+    return float(value) if mode == "max" else -float(value)
+
+
+def checkpoint_retention(train: TrainConfig) -> dict[str, Any]:
+    """The one retention rule of Train runs and Tune trials alike, as ``CheckpointConfig``
+    arguments: the ``train.keep_checkpoints`` best by ``SCORE_KEY`` (Ray keeps the newest
+    as well)."""
+    return {
+        "num_to_keep": train.keep_checkpoints,
+        "checkpoint_score_attribute": SCORE_KEY,
+        "checkpoint_score_order": "max",
+    }
+
+
+def epoch_metric_names(step_metrics: Sequence[str]) -> list[str]:
+    """The monitorable columns of an epoch row, given the metrics a step returns."""
+    return [f"{split}_{name}" for split in ("train", "val") for name in ("loss", *step_metrics)]
+
+
+def check_monitor(monitor: str, step_metrics: Sequence[str]) -> None:
+    """Raise a one-line error when ``monitor`` is not among the run's epoch metrics."""
+    available = epoch_metric_names(step_metrics)
+    if monitor not in available:
+        raise UnknownMonitorError(
+            f"train.monitor={monitor!r} is not a metric this run reports; set train.monitor to "
+            f"one of {', '.join(available)}"
+        )
+
+
+@dataclass(frozen=True)
+class BestCheckpoint:
+    """The best kept checkpoint of a run and what made it the best."""
+
+    path: Path
+    monitor: str
+    mode: str
+    value: float
+    epoch: int
+
+    def to_summary(self) -> dict[str, Any]:
+        return {"metric": self.monitor, "mode": self.mode, "value": self.value, "epoch": self.epoch}
+
+
+def best_checkpoint(folder: Path, monitor: str, mode: str) -> BestCheckpoint | None:
+    """The epoch checkpoint under ``folder`` with the best finite ``monitor``; ties: newest.
+
+    Reads each checkpoint's ``meta.json`` (its epoch row), so it works on any run
+    directory, finished or not. None when no epoch checkpoint has the metric.
+    """
+    best: BestCheckpoint | None = None
+    for directory in checkpoints_newest_first(folder):
+        try:
+            metrics = read_meta(directory).get("metrics", {})
+        except (OSError, ValueError):
+            continue
+        score = checkpoint_score(metrics, monitor, mode)
+        if score == WORST_SCORE:
+            continue
+        if best is None or score > checkpoint_score({monitor: best.value}, monitor, mode):
+            best = BestCheckpoint(directory, monitor, mode, metrics[monitor], metrics["epoch"])
+    return best
+
+
+def check_monitor_on_one_batch(monitor: str, spec: Any, dataset: Any) -> None:
+    """Check ``monitor`` on the driver, before any worker starts, by running one tiny batch.
+
+    train_loss and val_loss always exist; other metrics are known only once the model's
+    step ran. A step that cannot run here (e.g. a GPU-only model) leaves the check to the
+    workers, which make it after their first step.
+    """
+    if monitor in ("train_loss", "val_loss") or len(dataset) == 0:
+        return
+    import torch
+    from torch.utils.data import default_collate
+
+    try:
+        batch = default_collate([dataset[i] for i in range(min(2, len(dataset)))])
+        spec.module.eval()
+        with torch.no_grad():
+            names = list(spec.step(spec.module, batch).metrics)
+    except Exception:
+        return
+    check_monitor(monitor, names)
+
+
+def best_of_run(folder: Path) -> BestCheckpoint | None:
+    """``best_checkpoint`` by the monitor and mode the run was trained with (its newest meta)."""
+    for directory in checkpoints_newest_first(folder):
+        try:
+            train = read_meta(directory)["config"]["train"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        return best_checkpoint(folder, train.get("monitor", "val_loss"), train.get("mode", "min"))
+    return None

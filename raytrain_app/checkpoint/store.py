@@ -1,0 +1,206 @@
+"""A checkpoint's files: layout, writing with a manifest, verifying, and finding them.
+
+A checkpoint directory holds:
+
+- ``model.pt``: the plain model ``state_dict`` (no ``module.`` / ``_orig_mod.`` prefixes),
+  loadable into the bare ``nn.Module`` on any device;
+- ``train_state.pt``: optimizer, scheduler, GradScaler, epoch, step and every rank's RNG
+  states, everything an exact resume needs;
+- ``ema.pt`` (only with ``train.ema.enabled``): the exponential moving average of the
+  weights, a ``state_dict`` of the same plain model;
+- ``meta.json``: the model factory and params, the data info the model was sized from,
+  and the resolved run config, so ``load_model`` needs nothing but the directory;
+- ``manifest.json``, written last: every other file's size and SHA-256. A checkpoint
+  whose manifest is missing or disagrees with the files was torn or corrupted, and is
+  never loaded: resumes fall back to the next older valid checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from raytrain_app.errors import BadInputError
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILE = "model.pt"
+TRAIN_STATE_FILE = "train_state.pt"
+META_FILE = "meta.json"
+MANIFEST_FILE = "manifest.json"
+EMA_FILE = "ema.pt"
+
+
+def checkpoint_name(epoch: int, step: int) -> str:
+    """Directory name of the checkpoint after ``step`` optimizer steps (``epoch`` completed).
+
+    Names sort by training progress, and a step has one name however often it is retried.
+    """
+    return f"checkpoint_epoch{epoch:04d}_step{step:09d}"
+
+
+_NAME_PROGRESS = re.compile(r"checkpoint_epoch(\d+)_step(\d+)(-r\d+)?$")
+
+
+class DamagedCheckpointError(BadInputError):
+    """A checkpoint's files disagree with its manifest (a torn write or a corrupted file)."""
+
+
+def unwrap_model(module: nn.Module) -> nn.Module:
+    """The bare model under DDP/FSDP (``.module``) and torch.compile (``._orig_mod``)."""
+    while True:
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            module = module.module
+        elif hasattr(module, "_orig_mod"):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """Record every file's size and checksum; written last, so its presence means complete."""
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST_FILE
+    }
+    tmp = directory / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps({"format": 1, "files": files}, indent=2))
+    os.replace(tmp, directory / MANIFEST_FILE)
+
+
+# What resuming needs, and the subset that loading the model for inference needs (a model
+# shipped without its optimizer state is still verified).
+RESUME_FILES = (MODEL_FILE, TRAIN_STATE_FILE, META_FILE)
+INFERENCE_FILES = (MODEL_FILE, META_FILE)
+
+
+def verify_checkpoint(directory: Path, needed: tuple[str, ...] = RESUME_FILES) -> None:
+    """Raise ``DamagedCheckpointError`` unless ``needed`` and every other file present
+    match ``manifest.json``."""
+
+    def damaged(problem: str) -> DamagedCheckpointError:
+        return DamagedCheckpointError(
+            f"checkpoint '{directory}' is damaged: {problem}; use an older checkpoint of the "
+            f"run (its checkpoints/ folder) or train again"
+        )
+
+    try:
+        manifest = json.loads((directory / MANIFEST_FILE).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        raise damaged(f"{MANIFEST_FILE} is missing (the write was interrupted)") from None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise damaged(f"{MANIFEST_FILE} is unreadable") from None
+    for name in needed:
+        if name not in files:
+            raise damaged(f"{MANIFEST_FILE} does not list {name}")
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            if name not in needed:
+                continue
+            raise damaged(f"{name} is missing")
+        size = path.stat().st_size
+        if size != expected["size"]:
+            raise damaged(f"{name} has {size} bytes, the manifest says {expected['size']}")
+        if _sha256(path) != expected["sha256"]:
+            raise damaged(f"{name} does not match its checksum")
+
+
+def is_valid_checkpoint(directory: Path) -> bool:
+    try:
+        verify_checkpoint(directory)
+    except DamagedCheckpointError:
+        return False
+    return True
+
+
+def save_checkpoint(
+    directory: Path,
+    *,
+    model: nn.Module,
+    train_state: dict[str, Any],
+    meta: dict[str, Any],
+    ema: nn.Module | None = None,
+) -> Path:
+    """Write a checkpoint into ``directory`` (created if needed), manifest last."""
+    directory.mkdir(parents=True, exist_ok=True)
+    _atomic_torch_save(unwrap_model(model).state_dict(), directory / MODEL_FILE)
+    if ema is not None:
+        _atomic_torch_save(unwrap_model(ema).state_dict(), directory / EMA_FILE)
+    _atomic_torch_save(train_state, directory / TRAIN_STATE_FILE)
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    write_manifest(directory)
+    return directory
+
+
+def _progress_key(directory: Path) -> tuple[int, int, float]:
+    """Sort key: (epoch, step) from the name, else from meta.json, then modification time."""
+    match = _NAME_PROGRESS.search(directory.name)
+    if match:
+        return int(match[1]), int(match[2]), directory.stat().st_mtime
+    try:
+        meta = read_meta(directory)
+        return int(meta["epoch"]), int(meta["step"]), directory.stat().st_mtime
+    except (OSError, ValueError, KeyError):
+        return -1, -1, directory.stat().st_mtime
+
+
+def checkpoints_newest_first(folder: Path) -> list[Path]:
+    """Every checkpoint directory under ``folder`` (any depth), newest progress first."""
+    found = {p.parent for p in folder.glob("**/" + MODEL_FILE) if ".partial" not in p.parent.name}
+    return sorted(found, key=_progress_key, reverse=True)
+
+
+def usable_checkpoint(directory: Path) -> Path:
+    """``directory`` if it is intact, else the newest intact checkpoint older than it.
+
+    Raises:
+        DamagedCheckpointError: ``directory`` is damaged and no older intact one exists.
+    """
+    try:
+        verify_checkpoint(directory)
+        return directory
+    except DamagedCheckpointError as exc:
+        damaged = exc
+    logger.warning("%s", damaged)
+    limit = _progress_key(directory)[:2]
+    for older in checkpoints_newest_first(directory.parent):
+        if older != directory and _progress_key(older)[:2] <= limit and is_valid_checkpoint(older):
+            logger.warning("resuming from the older checkpoint %s instead", older)
+            return older
+    raise DamagedCheckpointError(
+        f"{damaged.args[0].split('; ')[0]}, and no older intact checkpoint is left in "
+        f"'{directory.parent}'; delete the run directory to start over"
+    )
+
+
+def load_train_state(directory: Path) -> dict[str, Any]:
+    """The optimizer/scheduler/RNG state of a checkpoint, on CPU."""
+    # weights_only=False: the state holds numpy RNG tuples, and the file is our own.
+    return torch.load(directory / TRAIN_STATE_FILE, map_location="cpu", weights_only=False)
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    """The checkpoint's metadata (model factory, data info, resolved config)."""
+    return json.loads((directory / META_FILE).read_text())

@@ -1,0 +1,130 @@
+"""The TorchTrainer raytrain runs, configured from the plan: Ray's, less what raytrain does
+itself or cannot use.
+
+- Ray's Ctrl-C handler aborts the run without a checkpoint and exits the process;
+  ``driver.signals.stop_on_signals`` checkpoints at the next step and stops instead.
+- Without Ray Datasets (raytrain's workers read through their own DataLoaders), Ray Train
+  would still start a DatasetManager actor and send every worker Ray Data's context.
+- On a Ray this process started (``ray.init()`` without an address: it ends with this
+  process) there is no autoscaler to ask for resources and no placement group can outlive
+  the driver, so the autoscaling-coordinator and placement-group-cleaner actors are not
+  started.
+
+Each is one more process that starts and imports Ray before the first step, and two of
+them kept polling during training (1-2 % of a core on a 2-core machine). These are Ray
+Train V2 internals of the pinned Ray (2.60); tests/distributed checks the
+trainer still runs, restarts and stops with them left out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ray.train
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+from ray.train.v2._internal.callbacks.placement_group_callback import (
+    PlacementGroupCleanerCallback,
+)
+from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+
+from raytrain_app.checkpoint.ranking import checkpoint_retention
+from raytrain_app.config import RaytrainConfig
+from raytrain_app.driver.progress import DriverProgress
+from raytrain_app.driver.signals import stop_on_signals
+from raytrain_app.planning.environment import training_worker_env_vars
+from raytrain_app.worker.loop import WorkerTask, train_worker
+
+
+class RaytrainTorchTrainer(TorchTrainer):
+    """``TorchTrainer`` without Ray's Ctrl-C handler and the actors raytrain has no use for.
+
+    Args:
+        embedded_ray: this process started the Ray it runs on (``ray_connection.ray_started_here``).
+    """
+
+    def __init__(self, *args: Any, embedded_ray: bool = False, **kwargs: Any) -> None:
+        self._embedded_ray = embedded_ray
+        super().__init__(*args, **kwargs)
+
+    def _register_sigint_handler(self, controller: Any) -> None:
+        return None
+
+    def _create_default_callbacks(self) -> list:
+        unused: tuple[type, ...] = ()
+        if not self.datasets:
+            unused += (DatasetsCallback,)
+        if self._embedded_ray:
+            unused += (PlacementGroupCleanerCallback,)
+        return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
+        policy = controller_init_kwargs.get("scaling_policy")
+        if self._embedded_ray and type(policy) is FixedScalingPolicy:
+            controller_init_kwargs["scaling_policy"] = _FixedScalingWithoutAutoscaler(
+                self.scaling_config
+            )
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+
+class _FixedScalingWithoutAutoscaler(FixedScalingPolicy):
+    """Ray's fixed-size policy minus the resource requests to an autoscaler that an
+    embedded Ray does not have (each would start Ray Data's coordinator actor)."""
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        return None
+
+    def _maybe_send_resource_request(self) -> None:
+        return None
+
+    def _cancel_resource_request(self) -> None:
+        return None
+
+
+def run_trainer(
+    task: WorkerTask,
+    cfg: RaytrainConfig,
+    checkpoints: Path,
+    stop_file: Path,
+    progress: bool,
+    embedded_ray: bool,
+) -> tuple[ray.train.Result, str | None]:
+    """Run the TorchTrainer; returns its result and the stop signal received, if any."""
+    plan = task.plan
+    run_config = ray.train.RunConfig(
+        name=cfg.experiment.name,
+        storage_path=str(checkpoints),
+        failure_config=ray.train.FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
+        checkpoint_config=ray.train.CheckpointConfig(**checkpoint_retention(cfg.train)),
+        # Ray Train's per-report INFO lines would drown raytrain's own epoch lines.
+        logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+        worker_runtime_env={"env_vars": training_worker_env_vars()},
+    )
+    scaling = ray.train.ScalingConfig(
+        num_workers=plan.world_size,
+        use_gpu=plan.use_gpu,
+        resources_per_worker={
+            "CPU": plan.cpus_per_worker,
+            **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
+        },
+    )
+    stop_file.unlink(missing_ok=True)  # a request the previous run never got to honour
+    task.stop_file = str(stop_file)
+    with DriverProgress(enabled=progress) as bar, stop_on_signals(stop_file) as received:
+        task.progress = bar.tracker
+        trainer = RaytrainTorchTrainer(
+            _train_loop_entry,
+            train_loop_config={"task": task},
+            torch_config=TorchConfig(backend=plan.backend, timeout_s=plan.timeout_s),
+            scaling_config=scaling,
+            run_config=run_config,
+            embedded_ray=embedded_ray,
+        )
+        result = trainer.fit()
+    stop_file.unlink(missing_ok=True)
+    return result, received[0] if received else None
+
+
+def _train_loop_entry(config: dict[str, Any]) -> dict[str, Any]:
+    return train_worker(config["task"])

@@ -1,0 +1,180 @@
+"""``train()``: config → plan → TorchTrainer → run directory, on the driver.
+
+It connects to (or starts) Ray, makes the plan, checks the workload once on the driver so
+bad input fails fast with exit code 2, then runs a ``TorchTrainer`` whose workers execute
+``worker.loop.train_worker``, and finally writes ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+
+from raytrain_app.checkpoint.ranking import best_checkpoint, check_monitor_on_one_batch
+from raytrain_app.config import RaytrainConfig, config_to_dict
+from raytrain_app.driver.failures import user_facing_error
+from raytrain_app.driver.ray_connection import ray_session
+from raytrain_app.driver.run_directory import RunDirectory
+from raytrain_app.driver.trainer import run_trainer
+from raytrain_app.errors import BadInputError, RunStoppedError
+from raytrain_app.planning.environment import apply_ray_train_defaults, detect_environment
+from raytrain_app.planning.rules import TrainingPlan, make_plan, resolve_config, steps_per_epoch
+from raytrain_app.tracking.loss_plot import write_loss_plot
+from raytrain_app.tracking.metrics_log import read_metrics
+from raytrain_app.tracking.trackers import check_tracking_installed
+from raytrain_app.worker.loop import WorkerTask
+from raytrain_app.workloads import FactoryRef, build_data, build_model, model_factory, prepare_data
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` returns: where the run lives and how it ended."""
+
+    run_dir: Path
+    summary: dict[str, Any]
+    metrics: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def checkpoint(self) -> Path:
+        """The newest checkpoint (what a resume continues from)."""
+        return Path(self.summary["checkpoint"])
+
+    @property
+    def best_checkpoint(self) -> Path | None:
+        """The best checkpoint by train.monitor / train.mode (what inference should use)."""
+        best = self.summary.get("best_checkpoint")
+        return Path(best) if best else None
+
+
+def preflight(cfg: RaytrainConfig, run_dir: RunDirectory, plan: TrainingPlan) -> FactoryRef:
+    """Prepare the data and build data and model once on the driver.
+
+    Catches a broken workload (bad params, failing import, too little data) before any
+    worker starts, as a one-line BadInputError instead of retried worker failures.
+    """
+    data_ref = prepare_data(cfg.data, run_dir.data, cfg.experiment.seed)
+    splits = _checked("data", build_data, data_ref, cfg.experiment.seed)
+    spec = _checked("model", build_model, model_factory(cfg.model), dict(splits.info))
+    if plan.gradient_checkpointing and not callable(
+        getattr(spec.module, "gradient_checkpointing_enable", None)
+    ):
+        raise BadInputError(
+            f"optimizations.gradient_checkpointing is true but {type(spec.module).__name__} has "
+            f"no gradient_checkpointing_enable() method; add one (see raytrain_app/protocol.py) "
+            f"or set optimizations.gradient_checkpointing=false"
+        )
+    check_monitor_on_one_batch(cfg.train.monitor, spec, splits.val)
+    steps_per_epoch(len(splits.train), plan.effective_batch_size)
+    return data_ref
+
+
+def _checked(section: str, factory: Any, *args: Any) -> Any:
+    """Call a workload factory; its ValueError/TypeError becomes a one-line bad-input error."""
+    try:
+        return factory(*args)
+    except BadInputError:
+        raise
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BadInputError(
+            f"{section}: {message}; fix the {section} section of the config"
+        ) from exc
+
+
+def _summary(result: ray.train.Result, plan: TrainingPlan, wall: float) -> dict[str, Any]:
+    returned = result.return_value or {}
+    history = returned.get("history", [])
+    total_samples = sum(row["samples_per_s"] * row["epoch_time_s"] for row in history)
+    train_time = sum(row["epoch_time_s"] for row in history)
+    return {
+        "status": "stopped" if returned.get("stopped") else "completed",
+        "final_metrics": history[-1] if history else {},
+        "epochs_completed": len(history),
+        "world_size": plan.world_size,
+        # The workers' split: a memory probe (max_batch_per_worker: auto) may change it.
+        "per_worker_batch_size": returned.get("per_worker_batch_size", plan.per_worker_batch_size),
+        "grad_accum_steps": returned.get("grad_accum_steps", plan.grad_accum_steps),
+        "effective_batch_size": plan.effective_batch_size,
+        "precision": plan.precision,
+        "backend": plan.backend,
+        "strategy": plan.strategy,
+        "lr": plan.lr,
+        "wall_time_s": round(wall, 3),
+        "samples_per_s": total_samples / train_time if train_time else 0.0,
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "worker_nodes": returned.get("worker_nodes", []),
+    }
+
+
+def _best_summary(run_dir: RunDirectory, cfg: RaytrainConfig) -> dict[str, Any]:
+    """``best_checkpoint`` and its monitored value (``best_metric``) for summary.json."""
+    best = best_checkpoint(run_dir.checkpoints, cfg.train.monitor, cfg.train.mode)
+    return {
+        "best_checkpoint": str(best.path) if best else None,
+        "best_metric": best.to_summary() if best else None,
+    }
+
+
+def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = True) -> TrainResult:
+    """Train ``cfg`` with DDP on Ray; resumes the run of the same name and config if any.
+
+    Raises:
+        BadInputError: the config, data or model is invalid (nothing was written).
+        RunFailedError: the run started and failed.
+    """
+    start = time.perf_counter()
+    check_tracking_installed(cfg)
+    env = detect_environment()
+    if not (address or env.ray_address or ray.is_initialized()):
+        # Ray will run on this machine: plan against it first, so bad input fails in a
+        # second instead of after Ray's start-up.
+        local_plan = make_plan(cfg, env)
+        RunDirectory.for_config(cfg).check_resumable(resolve_config(cfg, local_plan))
+    apply_ray_train_defaults()
+    with ray_session(address, env) as cluster_env:
+        plan = make_plan(cfg, cluster_env)
+        resolved = resolve_config(cfg, plan)
+        run_dir = RunDirectory.for_config(resolved)
+        resuming = run_dir.check_resumable(resolved)
+        data_ref = preflight(resolved, run_dir, plan)
+        run_dir.write_config(resolved)
+        logger.info("%s run in %s", "resuming" if resuming else "starting", run_dir.root)
+        task = WorkerTask(
+            config=config_to_dict(resolved),
+            plan=plan,
+            data=data_ref,
+            model=model_factory(resolved.model),
+            run_dir=str(run_dir.root),
+        )
+        try:
+            result, stop_signal = run_trainer(
+                task,
+                resolved,
+                run_dir.checkpoints,
+                run_dir.stop_request,
+                progress,
+                cluster_env.embedded_ray,
+            )
+        except ray.train.TrainingFailedError as exc:
+            raise user_facing_error(exc, plan.timeout_s) from exc
+    summary = _summary(result, plan, time.perf_counter() - start)
+    summary.update(_best_summary(run_dir, resolved))
+    run_dir.write_summary(summary)
+    if resolved.tracking.loss_plot:
+        write_loss_plot(run_dir.root, read_metrics(run_dir.root))
+    if summary["status"] == "stopped":
+        raise RunStoppedError(
+            f"stopped on request ({stop_signal}) after {summary['epochs_completed']} complete "
+            f"epoch(s), with a checkpoint at {summary['checkpoint']}; run the same command "
+            f"again to resume",
+            interrupted=stop_signal == "SIGINT",
+        )
+    return TrainResult(run_dir=run_dir.root, summary=summary, metrics=read_metrics(run_dir.root))

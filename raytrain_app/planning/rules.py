@@ -1,0 +1,390 @@
+"""Every "auto" decision of a run, made in one place by pure functions.
+
+The batch split, precision, backend, strategy, learning-rate rule and data-loader settings
+depend only on the config and the environment, so they can be printed before anything
+runs (``raytrain plan``), unit-tested without Ray, and logged once on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+
+from raytrain_app.config import RaytrainConfig
+from raytrain_app.errors import BadInputError
+from raytrain_app.planning.environment import Environment, GpuInfo
+
+logger = logging.getLogger(__name__)
+
+
+class PlanError(BadInputError):
+    """The config cannot be run on these resources; one sentence naming the key to change."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch is split: ``micro_batch * world_size * accum_steps == global``."""
+
+    world_size: int
+    micro_batch: int
+    accum_steps: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.world_size * self.accum_steps
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """The resolved decisions for one run; ``to_dict`` is what ``raytrain plan --json`` prints."""
+
+    world_size: int
+    per_worker_batch_size: int
+    grad_accum_steps: int
+    effective_batch_size: int
+    use_gpu: bool
+    device: str
+    precision: str
+    grad_scaler: bool
+    tf32: bool
+    backend: str
+    strategy: str
+    sync_batchnorm: bool
+    grad_compression: str
+    compile: bool
+    fused_optimizer: bool
+    gradient_checkpointing: bool
+    # The workers probe the largest micro-batch that fits the GPU and re-split the batch;
+    # with gradient_checkpointing auto they turn it on first when the batch does not fit.
+    memory_probe: bool
+    gradient_checkpointing_auto: bool
+    ema_decay: float | None  # None: no EMA of the weights
+    ema_start_step: int
+    timeout_s: int
+    lr: float
+    base_lr: float
+    lr_scaling: str
+    warmup_steps: int
+    min_lr_ratio: float
+    cpus_per_worker: float
+    gpus_per_worker: float
+    dataloader_workers: int
+    pin_memory: bool
+    keep_checkpoints: int | None  # the best N by monitor / monitor_mode, plus the newest
+    monitor: str
+    monitor_mode: str
+    tracking: tuple[str, ...]  # outputs besides metrics.csv (tensorboard, mlflow, ...)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _nearest_multiples(value: int, step: int) -> list[int]:
+    lower = (value // step) * step
+    return [m for m in (lower, lower + step) if m > 0]
+
+
+def plan_batch(global_batch: int, world_size: int, max_per_worker: int | None) -> BatchPlan:
+    """Split ``global_batch`` over ``world_size`` workers and gradient-accumulation steps.
+
+    Picks the largest micro-batch that divides each worker's share and fits under
+    ``max_per_worker``, so accumulation is used only as much as the memory cap requires.
+    """
+    if global_batch % world_size:
+        suggestions = " or ".join(str(m) for m in _nearest_multiples(global_batch, world_size))
+        raise PlanError(
+            f"train.global_batch_size={global_batch} cannot be split evenly over {world_size} "
+            f"workers; set train.global_batch_size to a multiple of {world_size} "
+            f"(e.g. {suggestions}) or change scaling.num_workers"
+        )
+    per_worker = global_batch // world_size
+    cap = per_worker if max_per_worker is None else min(per_worker, max_per_worker)
+    micro = max(d for d in range(1, cap + 1) if per_worker % d == 0)
+    plan = BatchPlan(world_size=world_size, micro_batch=micro, accum_steps=per_worker // micro)
+    if max_per_worker is not None and micro * 2 <= max_per_worker and plan.accum_steps > 1:
+        better = _nearest_multiples(global_batch, world_size * max_per_worker)
+        logger.warning(
+            "train.global_batch_size=%d over %d workers only splits into micro-batches of %d "
+            "under train.max_batch_per_worker=%d; a global batch of %s would use the full cap",
+            global_batch,
+            world_size,
+            micro,
+            max_per_worker,
+            " or ".join(map(str, better)),
+        )
+    return plan
+
+
+def available_devices(env: Environment, use_gpu: bool, cpus_per_worker: float) -> int:
+    """How many workers the resources can host."""
+    if use_gpu:
+        return int(env.resources.gpus)
+    return max(1, int(env.resources.cpus // cpus_per_worker))
+
+
+def choose_world_size(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> int:
+    """``scaling.num_workers``, or for ``auto`` the most devices that split the batch evenly."""
+    requested = cfg.scaling.num_workers
+    devices = available_devices(env, use_gpu, cfg.scaling.cpus_per_worker)
+    if cfg.distributed.strategy == "single":
+        if requested not in ("auto", 1):
+            raise PlanError(
+                f"distributed.strategy='single' trains on one worker but scaling.num_workers="
+                f"{requested}; set scaling.num_workers=1 or distributed.strategy=ddp"
+            )
+        return 1
+    if requested != "auto":
+        if requested > devices:
+            unit = "GPUs" if use_gpu else f"CPUs at {cfg.scaling.cpus_per_worker:g} per worker"
+            if env.resources.source == "this machine":
+                raise PlanError(
+                    f"scaling.num_workers={requested} needs more than the {devices} workers "
+                    f"this machine can host ({unit}); lower scaling.num_workers or pass "
+                    f"--address of a larger Ray cluster"
+                )
+            if env.slurm is not None:  # a SLURM allocation never grows
+                raise PlanError(
+                    f"scaling.num_workers={requested} needs more than the {devices} workers "
+                    f"this SLURM allocation can host ({unit}); lower scaling.num_workers or "
+                    f"request more (sbatch --nodes, --gpus-per-node, --cpus-per-task)"
+                )
+            # A cluster with an autoscaler may still grow; without one, Ray waits for it.
+            logger.warning(
+                "scaling.num_workers=%d is more than the %d workers the cluster can host now "
+                "(%s); training starts once the cluster has grown",
+                requested,
+                devices,
+                unit,
+            )
+        return requested
+    global_batch = cfg.train.global_batch_size
+    return max(w for w in range(1, max(devices, 1) + 1) if global_batch % w == 0)
+
+
+def choose_use_gpu(cfg: RaytrainConfig, env: Environment) -> bool:
+    """``scaling.use_gpu``, or for ``auto`` whether the cluster has any GPU."""
+    if cfg.scaling.use_gpu == "auto":
+        return env.resources.gpus > 0
+    if cfg.scaling.use_gpu and env.resources.gpus == 0 and env.resources.source == "this machine":
+        raise PlanError(
+            "scaling.use_gpu=true but no GPU is visible; set scaling.use_gpu=auto or false, "
+            "or pass --address of a Ray cluster with GPUs"
+        )
+    return bool(cfg.scaling.use_gpu)
+
+
+def choose_precision(requested: str, use_gpu: bool, gpu: GpuInfo | None) -> tuple[str, bool]:
+    """Return (precision, use_grad_scaler).
+
+    bf16 needs compute capability 8.0 (Ampere); fp16 on older tensor-core GPUs needs a
+    GradScaler because its range is too small for raw gradients.
+    """
+    capability = gpu.capability if (use_gpu and gpu) else None
+    if requested == "auto":
+        if capability is None:
+            return "fp32", False
+        if capability >= (8, 0):
+            return "bf16", False
+        return ("fp16", True) if capability >= (7, 0) else ("fp32", False)
+    if requested == "fp16" and capability is None:
+        raise PlanError(
+            "precision=fp16 needs a CUDA GPU (CPU autocast has no fp16 kernels worth using); "
+            "set precision to auto, fp32 or bf16"
+        )
+    if requested == "bf16" and capability is not None and capability < (8, 0):
+        raise PlanError(
+            f"precision=bf16 needs a GPU with compute capability >= 8.0 but {gpu.name} has "
+            f"{capability[0]}.{capability[1]}; set precision to auto or fp16"
+        )
+    return requested, requested == "fp16"
+
+
+def choose_backend(requested: str, use_gpu: bool) -> str:
+    """nccl for GPUs, gloo for CPUs."""
+    if requested == "auto":
+        return "nccl" if use_gpu else "gloo"
+    if requested == "nccl" and not use_gpu:
+        raise PlanError(
+            "distributed.backend=nccl needs GPUs but this run trains on CPU; "
+            "set distributed.backend to auto or gloo"
+        )
+    return requested
+
+
+def choose_strategy(requested: str, use_gpu: bool) -> str:
+    """ddp (through ``prepare_model``), single (no wrapping) or fsdp."""
+    if requested == "dp":
+        raise PlanError(
+            "distributed.strategy=dp (torch DataParallel) is not supported: DDP replaces it "
+            "with one process per device and is faster; set distributed.strategy to auto or ddp"
+        )
+    if requested == "fsdp" and not use_gpu:
+        raise PlanError(
+            "distributed.strategy=fsdp needs GPUs; set distributed.strategy to auto or ddp "
+            "for CPU training"
+        )
+    return "ddp" if requested == "auto" else requested
+
+
+def choose_sync_batchnorm(requested: str | bool, strategy: str, world_size: int) -> bool:
+    """Whether BatchNorm layers become SyncBatchNorm: ``auto`` for DDP over several workers.
+
+    With one worker there is nothing to sync; FSDP and ``single`` keep plain BatchNorm
+    unless asked explicitly.
+    """
+    if requested == "auto":
+        return strategy == "ddp" and world_size > 1
+    return bool(requested)
+
+
+def choose_grad_compression(requested: str, backend: str, world_size: int) -> str:
+    """The DDP communication hook; with one worker nothing is communicated."""
+    if world_size == 1 or requested == "none":
+        return "none"
+    if requested in ("fp16", "bf16") and backend != "nccl":
+        raise PlanError(
+            f"distributed.grad_compression={requested} needs GPUs with nccl, because gloo "
+            f"cannot all-reduce {requested} tensors; use powersgd or none on CPUs"
+        )
+    return requested
+
+
+def choose_compile(requested: str | bool, use_gpu: bool, gpu: GpuInfo | None) -> bool:
+    """torch.compile pays off on recent GPUs; on CPUs and older GPUs only when asked."""
+    if requested == "auto":
+        return bool(use_gpu and gpu and gpu.capability >= (8, 0))
+    return bool(requested)
+
+
+def choose_gradient_checkpointing(requested: str | bool) -> bool:
+    """``auto`` stays off until the worker's memory probe finds the micro-batch too big."""
+    return requested is True
+
+
+def scaled_lr(lr: float, rule: str, global_batch: int, base_batch: int | None) -> float:
+    """Scale ``lr`` from the batch it was tuned for (``base_batch``) to ``global_batch``."""
+    ratio = global_batch / (base_batch or global_batch)
+    if rule == "linear":
+        return lr * ratio
+    if rule == "sqrt":
+        return lr * math.sqrt(ratio)
+    return lr
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer ``step``: linear warmup, then cosine decay."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(total_steps - warmup_steps, 1)
+    progress = min((step - warmup_steps) / decay_steps, 1.0)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    """Optimizer steps per epoch; the tail that cannot fill a global batch is dropped.
+
+    Dropping (rather than padding) keeps every rank at the same step count and makes each
+    optimizer step see exactly ``global_batch`` distinct samples for any world size.
+    """
+    if num_samples < global_batch:
+        raise PlanError(
+            f"the training set has {num_samples} samples, fewer than train.global_batch_size="
+            f"{global_batch}; lower train.global_batch_size or use more data"
+        )
+    return num_samples // global_batch
+
+
+def loader_workers(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> int:
+    """DataLoader processes per training worker: its CPUs minus the one that trains.
+
+    On SLURM GPU jobs a worker's share is the task's CPUs over the node's GPUs (one worker
+    per GPU), which is usually more than the ``cpus_per_worker`` Ray reserves.
+    """
+    if cfg.dataloader.num_workers != "auto":
+        return cfg.dataloader.num_workers
+    cpus = cfg.scaling.cpus_per_worker
+    slurm = env.slurm
+    if use_gpu and slurm and slurm.cpus_per_task and slurm.gpus_per_node:
+        cpus = slurm.cpus_per_task // slurm.gpus_per_node
+    return max(int(cpus) - 1, 0)
+
+
+def enabled_outputs(cfg: RaytrainConfig) -> list[str]:
+    """The tracking outputs a run writes besides metrics.csv, for the plan printout."""
+    t = cfg.tracking
+    names = {"tensorboard": t.tensorboard, "mlflow": t.mlflow, "wandb": t.wandb}
+    return [name for name, on in names.items() if on] + (["loss.png"] if t.loss_plot else [])
+
+
+def make_plan(cfg: RaytrainConfig, env: Environment) -> TrainingPlan:
+    """Resolve every ``auto`` of ``cfg`` against ``env``."""
+    use_gpu = choose_use_gpu(cfg, env)
+    strategy = choose_strategy(cfg.distributed.strategy, use_gpu)
+    world_size = choose_world_size(cfg, env, use_gpu)
+    cap = cfg.train.max_batch_per_worker
+    batch = plan_batch(cfg.train.global_batch_size, world_size, None if cap == "auto" else cap)
+    precision, grad_scaler = choose_precision(cfg.precision, use_gpu, env.gpu)
+    loader = cfg.dataloader
+    return TrainingPlan(
+        world_size=world_size,
+        per_worker_batch_size=batch.micro_batch,
+        grad_accum_steps=batch.accum_steps,
+        effective_batch_size=batch.global_batch,
+        use_gpu=use_gpu,
+        device=(env.gpu.name if env.gpu else "cuda") if use_gpu else "cpu",
+        precision=precision,
+        grad_scaler=grad_scaler,
+        tf32=bool(use_gpu and env.gpu and env.gpu.capability >= (8, 0)),
+        backend=choose_backend(cfg.distributed.backend, use_gpu),
+        strategy=strategy,
+        sync_batchnorm=choose_sync_batchnorm(cfg.distributed.sync_batchnorm, strategy, world_size),
+        grad_compression=choose_grad_compression(
+            cfg.distributed.grad_compression,
+            choose_backend(cfg.distributed.backend, use_gpu),
+            world_size if strategy == "ddp" else 1,
+        ),
+        compile=choose_compile(cfg.optimizations.compile, use_gpu, env.gpu),
+        # The fused CUDA kernel: one launch for all parameters instead of one per tensor.
+        fused_optimizer=use_gpu and cfg.train.optimizer in ("adam", "adamw"),
+        gradient_checkpointing=choose_gradient_checkpointing(
+            cfg.optimizations.gradient_checkpointing
+        ),
+        memory_probe=use_gpu and cap == "auto",
+        gradient_checkpointing_auto=use_gpu
+        and cap == "auto"
+        and cfg.optimizations.gradient_checkpointing == "auto",
+        ema_decay=cfg.train.ema.decay if cfg.train.ema.enabled else None,
+        ema_start_step=cfg.train.ema.start_step,
+        timeout_s=cfg.distributed.timeout_s,
+        lr=scaled_lr(
+            cfg.train.lr, cfg.train.lr_scaling, batch.global_batch, cfg.train.base_batch_size
+        ),
+        base_lr=cfg.train.lr,
+        lr_scaling=cfg.train.lr_scaling,
+        warmup_steps=cfg.train.warmup_steps,
+        min_lr_ratio=cfg.train.min_lr_ratio,
+        cpus_per_worker=cfg.scaling.cpus_per_worker,
+        gpus_per_worker=cfg.scaling.gpus_per_worker if use_gpu else 0.0,
+        dataloader_workers=loader_workers(cfg, env, use_gpu),
+        pin_memory=use_gpu if loader.pin_memory == "auto" else loader.pin_memory,
+        keep_checkpoints=cfg.train.keep_checkpoints,
+        monitor=cfg.train.monitor,
+        monitor_mode=cfg.train.mode,
+        tracking=tuple(enabled_outputs(cfg)),
+    )
+
+
+def resolve_config(cfg: RaytrainConfig, plan: TrainingPlan) -> RaytrainConfig:
+    """The config with every ``auto`` replaced by the plan's choice (re-runnable as is)."""
+    resolved = cfg.model_copy(deep=True)
+    resolved.scaling.num_workers = plan.world_size
+    resolved.scaling.use_gpu = plan.use_gpu
+    resolved.distributed.strategy = plan.strategy
+    resolved.distributed.backend = plan.backend
+    resolved.distributed.sync_batchnorm = plan.sync_batchnorm
+    resolved.optimizations.compile = plan.compile
+    resolved.precision = plan.precision
+    resolved.dataloader.num_workers = plan.dataloader_workers
+    resolved.dataloader.pin_memory = plan.pin_memory
+    return resolved

@@ -1,0 +1,391 @@
+"""The per-worker training loop: setup, resume, train, validate, checkpoint.
+
+It runs inside every Ray Train worker (or a Tune trial) and talks to its runtime only
+through a ``WorkerSession``. Decisions (batch split, precision, lr) come from the plan;
+the loop only carries them out. A step's math lives in ``step.py``, reporting and
+checkpoints in ``reporting.py``: read ``WorkerLoop.run`` top to bottom.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from raytrain_app.checkpoint.ranking import check_monitor
+from raytrain_app.checkpoint.train_state import LoopState, Trainables, load_resumable
+from raytrain_app.config import RaytrainConfig, config_from_dict
+from raytrain_app.errors import RunFailedError
+from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
+from raytrain_app.planning.rules import TrainingPlan, steps_per_epoch
+from raytrain_app.protocol import ModelSpec
+from raytrain_app.tracking.metrics_log import MetricsLog
+from raytrain_app.tracking.trackers import Tracker, open_tracker
+from raytrain_app.worker.global_metrics import Averages, EpochProgress, gather
+from raytrain_app.worker.loaders import WorkerLoaders, build_worker_loaders
+from raytrain_app.worker.model_companions import broadcast_buffers
+from raytrain_app.worker.model_setup import prepare_for_training
+from raytrain_app.worker.rank_zero import is_rank_zero, rank_zero_info, set_rank
+from raytrain_app.worker.reporting import Reporter, checkpoint_meta
+from raytrain_app.worker.session import RayTrainSession, WorkerSession
+from raytrain_app.worker.step import (
+    OptimizerStep,
+    StepOutcome,
+    build_optimizer,
+    build_scheduler,
+)
+from raytrain_app.worker.stop_request import StopRequest
+from raytrain_app.workloads import FactoryRef, build_data, build_model
+
+logger = logging.getLogger(__name__)
+
+# How often rank 0 pushes a progress update to the driver; cheap, fire-and-forget.
+_PROGRESS_INTERVAL_S = 0.5
+
+
+class NonFiniteLossError(RunFailedError):
+    """The loss became NaN or infinite; the run stops without checkpointing it."""
+
+
+@dataclass
+class WorkerTask:
+    """Everything a worker needs, prepared by the driver (picklable)."""
+
+    config: dict[str, Any]
+    plan: TrainingPlan
+    data: FactoryRef
+    model: FactoryRef
+    run_dir: str
+    progress: Any = None  # a ProgressTracker actor handle, or None
+    log_level: int = logging.INFO
+    stop_file: str | None = None  # the driver creates it to ask for a checkpoint and a stop
+
+
+def train_worker(task: WorkerTask) -> dict[str, Any]:
+    """Ray Train entry point (``train_loop_per_worker``)."""
+    return WorkerLoop(task, RayTrainSession()).run()
+
+
+class WorkerLoop:
+    """One worker's run; read ``run`` top to bottom."""
+
+    def __init__(self, task: WorkerTask, session: WorkerSession) -> None:
+        self.task = task
+        self.session = session
+        self.plan = task.plan
+        self.cfg: RaytrainConfig = config_from_dict(task.config)
+        self.rank = session.world_rank
+        self.world_size = session.world_size
+        self.state = LoopState()
+        self._resumed_epoch: dict[str, Any] | None = None  # this rank's mid-epoch sums
+        self._stop = False  # the ranks agreed to checkpoint and stop
+        self._metric_names: list[str] | None = None  # known after the first step
+        self.tracker = Tracker()  # rank 0's TensorBoard / MLflow / W&B, opened in _run
+        self.loaders: WorkerLoaders | None = None  # built in setup
+        self._last_push = 0.0  # when rank 0 last updated the driver's progress bar
+
+    def run(self) -> dict[str, Any]:
+        failed = True
+        try:
+            result = self._run()
+            failed = False
+            return result
+        finally:
+            self.tracker.close(failed=failed)
+            if self.loaders is not None:
+                self.loaders.shut_down()
+
+    def _run(self) -> dict[str, Any]:
+        setup_logging(self.task.log_level)
+        quiet_ray_train_worker_logs()
+        set_rank(self.rank)
+        self.setup()
+        self.resume()
+        nodes = sorted(set(gather(self.session.node_address(), self.world_size)))
+        run_dir = Path(self.task.run_dir)
+        metrics_log = MetricsLog(run_dir, self.state.epoch) if is_rank_zero() else None
+        self.tracker = open_tracker(self.cfg, run_dir, self.state.step, is_rank_zero())
+        for epoch in range(self.state.epoch, self.cfg.train.epochs):
+            row = self.train_epoch(epoch)
+            if row is None:  # stopped mid-epoch on request, checkpoint written
+                return self._result(nodes, stopped=True)
+            row.update(self.validate())
+            self.state.epoch, self.state.history = epoch + 1, [*self.state.history, row]
+            if metrics_log:
+                metrics_log.append(row)
+            self.tracker.log_epoch(self.state.step, row)
+            self._log_epoch(epoch, row)
+            self.report(row, due=self._checkpoint_due(epoch) or self._stop)
+            if self._stop and epoch + 1 < self.cfg.train.epochs:
+                return self._result(nodes, stopped=True)
+        return self._result(nodes, stopped=False)
+
+    def _log_epoch(self, epoch: int, row: dict[str, float]) -> None:
+        values = ", ".join(f"{k}={v:.4g}" for k, v in row.items() if k != "epoch")
+        rank_zero_info(logger, "epoch %d/%d: %s", epoch + 1, self.cfg.train.epochs, values)
+
+    def _result(self, nodes: list[str], stopped: bool) -> dict[str, Any]:
+        """The history, where the workers ran, and the batch split they trained with (the
+        memory probe may have changed it)."""
+        if stopped:
+            rank_zero_info(
+                logger, "stopped on request at step %d with a checkpoint", self.state.step
+            )
+        return {
+            "history": self.state.history,
+            "worker_nodes": nodes,
+            **({"stopped": True} if stopped else {}),
+            "per_worker_batch_size": self.plan.per_worker_batch_size,
+            "grad_accum_steps": self.plan.grad_accum_steps,
+            "gradient_checkpointing": self.plan.gradient_checkpointing,
+        }
+
+    # -- setup ---------------------------------------------------------------------------
+    def setup(self) -> None:
+        plan, cfg = self.plan, self.cfg
+        torch.set_num_threads(max(1, int(plan.cpus_per_worker)))
+        if plan.tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.device = self.session.device()
+        seed = cfg.experiment.seed
+        splits = build_data(self.task.data, seed)
+        self.data_info = dict(splits.info)
+        # Same seed on every rank and for every world size: identical initial weights.
+        torch.manual_seed(seed)
+        self.spec: ModelSpec = build_model(self.task.model, self.data_info)
+        self.plan, self.module, model, agreement, ema = prepare_for_training(
+            self.spec, plan, cfg.distributed, self.session, self.device, splits.train
+        )
+        plan = self.plan  # the memory probe may have re-split the batch
+        self.loaders = build_worker_loaders(
+            splits.train,
+            splits.val,
+            plan,
+            cfg.dataloader,
+            seed=seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            prepare=self.session.prepare_loader,
+        )
+        self.steps_per_epoch = steps_per_epoch(len(splits.train), plan.effective_batch_size)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = build_optimizer(params, cfg.train, plan)
+        self.stepper = OptimizerStep(
+            model=model,
+            module=self.module,
+            spec=self.spec,
+            plan=plan,
+            train=cfg.train,
+            optimizer=optimizer,
+            scheduler=build_scheduler(optimizer, plan, self.steps_per_epoch * cfg.train.epochs),
+            scaler=torch.amp.GradScaler(self.device.type, enabled=plan.grad_scaler),
+            ema=ema,
+            agreement=agreement,
+            device=self.device,
+            world_size=self.world_size,
+        )
+        self.stop_request = StopRequest(self.task.stop_file, is_rank_zero())
+        self.reporter = Reporter(
+            self.session, cfg.train, checkpoint_meta(self.task, self.data_info), self.world_size
+        )
+        # Dropout and other runtime randomness differ per rank, as independent replicas should.
+        _seed_runtime_rng(seed + 1 + self.rank)
+        rank_zero_info(logger, "plan: %s", self._plan_line(len(splits.train), len(splits.val)))
+
+    def _plan_line(self, n_train: int, n_val: int) -> str:
+        p = self.plan
+        params = sum(t.numel() for t in self.module.parameters())
+        return (
+            f"{p.world_size} worker(s) x micro-batch {p.per_worker_batch_size} x accumulation "
+            f"{p.grad_accum_steps} = global batch {p.effective_batch_size}; {p.precision} on "
+            f"{p.device}, {p.backend}, {p.strategy}; lr {p.lr:.3g}; {params:,} parameters; "
+            f"{n_train:,} train / {n_val:,} val samples; {self.steps_per_epoch} steps per epoch"
+        )
+
+    @property
+    def model(self) -> nn.Module:
+        """The model as trained (DDP-wrapped, compiled)."""
+        return self.stepper.model
+
+    @property
+    def ema(self) -> Any:
+        return self.stepper.ema
+
+    def _trainables(self) -> Trainables:
+        s = self.stepper
+        return Trainables(s.model, s.module, s.optimizer, s.scheduler, s.scaler, s.ema)
+
+    # -- resume ---------------------------------------------------------------------------
+    def resume(self) -> None:
+        with self.session.restored_checkpoint() as restored:
+            if restored is None:
+                return
+            # A torn or corrupted newest checkpoint falls back to the next older one.
+            resumed = load_resumable(restored, self._trainables(), self.plan.lr, self.device)
+        self.state = resumed.state
+        self._resumed_epoch = resumed.restore_rank(self.rank, self.world_size)
+        rank_zero_info(
+            logger,
+            "resumed from %s at epoch %d, step %d",
+            resumed.directory,
+            self.state.epoch + 1 if self.state.step_in_epoch else self.state.epoch,
+            self.state.step,
+        )
+
+    # -- train ----------------------------------------------------------------------------
+    def train_epoch(self, epoch: int) -> dict[str, float] | None:
+        """Train one epoch (or its rest, after a mid-epoch resume); None if stopped early."""
+        self.model.train()
+        plan = self.plan
+        first_step = self.state.step_in_epoch
+        batches = self.loaders.epoch_batches(
+            epoch, first_step * plan.grad_accum_steps * plan.per_worker_batch_size
+        )
+        progress = EpochProgress(self.device, self._resumed_epoch)
+        self._resumed_epoch = None
+        start = time.perf_counter()
+        for step_in_epoch in range(first_step, self.steps_per_epoch):
+            outcome = self.stepper.forward_backward(
+                batches, self._stop or self.stop_request.requested()
+            )
+            self._stop = outcome.stop
+            self._note_metric_names(outcome)
+            if outcome.nonfinite:
+                self._skip_nonfinite_step(epoch, step_in_epoch, outcome)
+                progress.skipped_steps += 1
+            else:
+                outcome.add_to(progress.averages)
+                self.stepper.apply(self.state.step + 1)
+                self.state.step += 1
+            self.state.step_in_epoch = step_in_epoch + 1
+            elapsed = progress.elapsed_s + time.perf_counter() - start
+            self._after_step(epoch, outcome.last_loss, elapsed)
+            if self.state.step_in_epoch < self.steps_per_epoch and (
+                self._stop or self._step_checkpoint_due()
+            ):
+                progress.elapsed_s += time.perf_counter() - start
+                start = time.perf_counter()
+                self.report_mid_epoch(progress)
+                if self._stop:
+                    return None
+        progress.elapsed_s += time.perf_counter() - start
+        self.state.step_in_epoch = 0
+        return self._epoch_row(epoch, progress)
+
+    def _note_metric_names(self, outcome: StepOutcome) -> None:
+        if self._metric_names is None:  # the first step tells which metrics the model has
+            check_monitor(self.cfg.train.monitor, outcome.metric_names)
+        self._metric_names = outcome.metric_names
+
+    def _skip_nonfinite_step(self, epoch: int, step_in_epoch: int, outcome: StepOutcome) -> None:
+        where = (
+            f"step {self.state.step + 1} (epoch {epoch + 1}, step {step_in_epoch + 1} of "
+            f"{self.steps_per_epoch})"
+        )
+        if self.cfg.train.on_nonfinite == "stop":
+            # Raised on every rank before the optimizer step and before any checkpoint.
+            raise NonFiniteLossError(
+                f"training loss became non-finite at {where}; lower train.lr, enable "
+                f"train.grad_clip, check the data for NaNs, or set train.on_nonfinite=skip"
+            )
+        rank_zero_info(logger, "skipped %s: non-finite loss %s", where, outcome.losses())
+        self.stepper.skip()
+        self.state.step += 1
+        self.state.skipped_steps += 1
+
+    def _after_step(self, epoch: int, loss: torch.Tensor, elapsed: float) -> None:
+        """Step-level tracking and the driver's progress bar (rank 0, throttled).
+
+        ``elapsed``: the epoch's training time so far, the part before a mid-epoch
+        checkpoint (or before a resume) included, as the step count is.
+        """
+        if self.tracker.due(self.state.step):
+            self.tracker.log_step(
+                self.state.step, {"loss": float(loss.detach()), "lr": self.stepper.lr()}
+            )
+        if self.task.progress is None or not is_rank_zero():
+            return
+        now, step = time.perf_counter(), self.state.step_in_epoch
+        if now - self._last_push < _PROGRESS_INTERVAL_S and (step < self.steps_per_epoch):
+            return
+        self._last_push = now
+        self.task.progress.update.remote(
+            epoch=epoch + 1,
+            epochs=self.cfg.train.epochs,
+            step=step,
+            steps=self.steps_per_epoch,
+            loss=float(loss.detach()),
+            samples_per_s=step * self.plan.effective_batch_size / max(elapsed, 1e-9),
+        )
+
+    def _step_checkpoint_due(self) -> bool:
+        every = self.cfg.train.checkpoint_every_steps
+        return bool(every) and self.session.mid_epoch_checkpoints and self.state.step % every == 0
+
+    def _epoch_row(self, epoch: int, progress: EpochProgress) -> dict[str, float]:
+        """The epoch's metrics.csv row: exact global means, lr, throughput."""
+        row = {
+            "epoch": epoch + 1,
+            "step": self.state.step,
+            **progress.averages.global_means("train_", self._metric_names or []),
+        }
+        row["lr"] = self.stepper.lr()
+        # elapsed_s is the whole epoch's training time, the part before a resume included
+        # (without the time lost to the interruption), so the rate is over all its steps.
+        epoch_samples = self.steps_per_epoch * self.plan.effective_batch_size
+        row["samples_per_s"] = epoch_samples / max(progress.elapsed_s, 1e-9)
+        row["epoch_time_s"] = progress.elapsed_s
+        if self.cfg.train.on_nonfinite == "skip":
+            # Every rank skipped the same steps (they agree after each step).
+            row["skipped_steps"] = progress.skipped_steps
+        return row
+
+    # -- validate -------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        # The bare module: DDP's forward would sync buffers, and ranks run different
+        # numbers of validation batches.
+        module = self._validation_module()  # the EMA weights once averaging has begun
+        # Every rank validates with rank 0's buffers, the ones its checkpoint holds.
+        broadcast_buffers(module, self.world_size)
+        module.eval()
+        averages = Averages(self.device)
+        for batch in self.loaders.val:
+            with self.stepper.autocast():
+                out = self.spec.step(module, batch)
+            averages.add({"loss": out.loss, **out.metrics}, out.num_samples)
+        # A rank with no validation samples still joins the reduce, with zeros.
+        return averages.global_means("val_", self._metric_names or [])
+
+    def _validation_module(self) -> nn.Module:
+        if self.ema is not None and int(self.ema.n_averaged) > 0:
+            return self.ema.module
+        return self.module
+
+    # -- checkpoint and report -------------------------------------------------------------
+    def _checkpoint_due(self, epoch: int) -> bool:
+        every = self.cfg.train.checkpoint_every_epochs
+        return (epoch + 1) % every == 0 or epoch + 1 == self.cfg.train.epochs
+
+    def report(self, row: dict[str, float], due: bool) -> None:
+        """Report the epoch on every rank (Ray requires equal counts); rank 0 checkpoints."""
+        self.reporter.report(row, due, self.state, self._trainables(), EpochProgress(self.device))
+
+    def report_mid_epoch(self, progress: EpochProgress) -> None:
+        """A checkpoint between two steps, with what the rest of the epoch needs to resume."""
+        row = {"epoch": self.state.epoch, "step": self.state.step, "mid_epoch": 1}
+        self.reporter.report(row, True, self.state, self._trainables(), progress)
+
+
+def _seed_runtime_rng(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)

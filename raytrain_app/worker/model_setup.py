@@ -1,0 +1,71 @@
+"""The model as each worker trains it, built around the user's bare module from outside:
+SyncBatchNorm, gradient checkpointing, the memory probe, DDP, communication hooks, the
+per-step agreement, the EMA and torch.compile, in that order."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+from raytrain_app.config import DistributedConfig
+from raytrain_app.planning.rules import TrainingPlan
+from raytrain_app.protocol import ModelSpec
+from raytrain_app.worker.memory_probe import fit_plan_to_memory
+from raytrain_app.worker.model_companions import make_ema, register_comm_hook
+from raytrain_app.worker.rank_zero import rank_zero_info
+from raytrain_app.worker.session import WorkerSession
+from raytrain_app.worker.step import autocast_for
+from raytrain_app.worker.step_agreement import StepAgreement
+from raytrain_app.worker.sync_batchnorm import convert_sync_batchnorm, has_batchnorm
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_for_training(
+    spec: ModelSpec,
+    plan: TrainingPlan,
+    distributed: DistributedConfig,
+    session: WorkerSession,
+    device: torch.device,
+    train_data: Any,
+) -> tuple[TrainingPlan, nn.Module, nn.Module, StepAgreement, AveragedModel | None]:
+    """Returns the plan (the memory probe may re-split the batch), the bare module (what
+    checkpoints hold), the model as trained, the step agreement and the EMA (or None)."""
+    world_size = session.world_size
+    module = spec.module
+    if plan.sync_batchnorm and has_batchnorm(module):
+        # Before DDP wraps it; the converted layers keep BatchNorm's state-dict keys.
+        module = convert_sync_batchnorm(module, device)
+        rank_zero_info(logger, "BatchNorm layers synchronised across workers (SyncBatchNorm)")
+    if plan.gradient_checkpointing:  # the driver checked the model has the hook
+        module.gradient_checkpointing_enable()
+    if plan.memory_probe:
+        plan = fit_plan_to_memory(
+            plan,
+            spec,
+            module,
+            train_data,
+            lambda: autocast_for(plan.precision, device),
+            device,
+            world_size,
+        )
+    ddp_kwargs = {"find_unused_parameters": distributed.find_unused_parameters}
+    model = session.prepare_model(
+        module, plan.strategy, ddp_kwargs if plan.strategy == "ddp" else {}
+    )
+    register_comm_hook(
+        model, plan.grad_compression, distributed.powersgd_rank, distributed.start_powersgd_iter
+    )
+    # The per-step flags ride on DDP's gradient all-reduce unless a hook owns it.
+    fuse = plan.grad_compression == "none" and not plan.compile
+    agreement = StepAgreement(model, world_size, fuse)
+    ema = make_ema(module, plan.ema_decay)
+    if plan.compile:
+        # Compiles the DDP-wrapped model, so Dynamo splits graphs at DDP's buckets;
+        # checkpoints store the plain module's state_dict (no "_orig_mod.").
+        model = torch.compile(model)
+    return plan, module, model, agreement, ema

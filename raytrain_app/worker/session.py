@@ -1,0 +1,183 @@
+"""What the worker loop needs from whoever runs it: rank, device, wrapping, reporting.
+
+The loop talks only to a ``WorkerSession``. ``RayTrainSession`` is the Ray Train worker
+(DDP through ``prepare_model``, reports through ``ray.train.report``); the Tune layer
+supplies a single-worker session of its own, so one loop serves both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from raytrain_app.checkpoint.upload import upload_atomically
+
+
+class WorkerSession(Protocol):
+    """The runtime seen from inside one training worker."""
+
+    world_rank: int
+    world_size: int
+    # Whether checkpoints may be reported between epochs (train.checkpoint_every_steps).
+    mid_epoch_checkpoints: bool
+
+    def device(self) -> torch.device: ...
+
+    def prepare_model(self, module: nn.Module, strategy: str, ddp_kwargs: dict) -> nn.Module: ...
+
+    def prepare_loader(self, loader: DataLoader) -> DataLoader: ...
+
+    def report(
+        self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None
+    ) -> None: ...
+
+    def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
+
+    def node_address(self) -> str: ...
+
+
+class RayTrainSession:
+    """A Ray Train V2 worker; the process group already exists (Ray created it)."""
+
+    mid_epoch_checkpoints = True
+
+    def __init__(self) -> None:
+        import ray.train
+
+        context = ray.train.get_context()
+        self.world_rank = context.get_world_rank()
+        self.world_size = context.get_world_size()
+
+    def device(self) -> torch.device:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+
+    def prepare_model(self, module: nn.Module, strategy: str, ddp_kwargs: dict) -> nn.Module:
+        import ray.train.torch
+
+        parallel = None if strategy == "single" else strategy
+        return ray.train.torch.prepare_model(
+            module, parallel_strategy=parallel, parallel_strategy_kwargs=ddp_kwargs
+        )
+
+    def prepare_loader(self, loader: DataLoader) -> DataLoader:
+        import ray.train.torch
+
+        # The loop builds its own samplers (sharded, same order for any world size), so
+        # Ray only adds the transfer to the device.
+        return ray.train.torch.prepare_data_loader(loader, add_dist_sampler=False)
+
+    def report(
+        self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None
+    ) -> None:
+        import ray.train
+
+        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        ray.train.report(
+            metrics,
+            checkpoint=checkpoint,
+            checkpoint_dir_name=name,
+            checkpoint_upload_fn=upload_atomically,
+        )
+
+    def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
+        import ray.train
+
+        return _checkpoint_directory(ray.train.get_checkpoint())
+
+    def node_address(self) -> str:
+        return _node_address()
+
+
+@contextlib.contextmanager
+def _checkpoint_directory(checkpoint: Any) -> Iterator[Path | None]:
+    """A Ray checkpoint (Train's or Tune's) as a local directory, or None."""
+    if checkpoint is None:
+        yield None
+        return
+    with checkpoint.as_directory() as directory:
+        yield Path(directory)
+
+
+def _node_address() -> str:
+    import ray.util
+
+    return ray.util.get_node_ip_address()
+
+
+@contextlib.contextmanager
+def scratch_dir() -> Iterator[Path]:
+    """A temporary directory for a checkpoint before the session persists it."""
+    with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as directory:
+        yield Path(directory)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple | list):
+        return type(batch)(to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+class _DeviceLoader:
+    """Iterates a DataLoader with every batch moved to ``device``."""
+
+    def __init__(self, loader: DataLoader, device: torch.device) -> None:
+        self.loader, self.device = loader, device
+
+    def __iter__(self) -> Iterator[Any]:
+        return (to_device(batch, self.device) for batch in self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+class TuneTrialSession:
+    """A single-worker Ray Tune trial: no process group, no DDP, one device.
+
+    Tune reserves the trial's GPU and sets ``CUDA_VISIBLE_DEVICES``, so it is ``cuda:0``.
+    """
+
+    world_rank = 0
+    world_size = 1
+    # A Tune result is a scheduler decision point (ASHA rungs, PBT): epochs only.
+    mid_epoch_checkpoints = False
+
+    def __init__(self, use_gpu: bool) -> None:
+        self._device = torch.device("cuda:0" if use_gpu else "cpu")
+
+    def device(self) -> torch.device:
+        return self._device
+
+    def prepare_model(self, module: nn.Module, strategy: str, ddp_kwargs: dict) -> nn.Module:
+        return module.to(self._device)
+
+    def prepare_loader(self, loader: DataLoader) -> Any:
+        return loader if self._device.type == "cpu" else _DeviceLoader(loader, self._device)
+
+    def report(
+        self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None
+    ) -> None:
+        from ray import tune
+
+        checkpoint = tune.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        tune.report(metrics, checkpoint=checkpoint)
+
+    def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
+        from ray import tune
+
+        return _checkpoint_directory(tune.get_checkpoint())
+
+    def node_address(self) -> str:
+        return _node_address()

@@ -1,0 +1,156 @@
+"""One optimizer step's math: the accumulation window's forward and backward passes under
+the plan's precision, the ranks' agreement on the step, then the update or the skip.
+
+Nothing here logs, reports or checkpoints; ``loop.py`` does that around each step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+from raytrain_app.config import TrainConfig
+from raytrain_app.planning.rules import TrainingPlan, lr_factor
+from raytrain_app.protocol import ModelSpec
+from raytrain_app.worker.global_metrics import Averages
+from raytrain_app.worker.model_companions import broadcast_buffers
+from raytrain_app.worker.step_agreement import StepAgreement
+
+
+def build_optimizer(
+    params: list[nn.Parameter], train: TrainConfig, plan: TrainingPlan
+) -> torch.optim.Optimizer:
+    """``train.optimizer`` over ``params`` at the plan's lr (fused where the plan says so)."""
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=plan.lr, momentum=0.9, weight_decay=train.weight_decay)
+    optimizer_cls = torch.optim.AdamW if train.optimizer == "adamw" else torch.optim.Adam
+    fused = {"fused": True} if plan.fused_optimizer else {}
+    return optimizer_cls(params, lr=plan.lr, weight_decay=train.weight_decay, **fused)
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, plan: TrainingPlan, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup, then cosine decay to ``min_lr_ratio``, by optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(step, plan.warmup_steps, total_steps, plan.min_lr_ratio),
+    )
+
+
+def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast context of the plan's precision (none for fp32)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@dataclass
+class StepOutcome:
+    """What one step's micro-batches returned, and what every rank agreed on after it."""
+
+    micro_results: list[tuple[dict[str, torch.Tensor], int]]  # (loss and metrics, samples)
+    last_loss: torch.Tensor  # the last micro-batch's loss (for step-level tracking)
+    metric_names: list[str]
+    nonfinite: bool  # some rank's loss was NaN or infinite: every rank skips the step
+    stop: bool  # some rank was asked to stop: every rank stops after this step
+
+    def losses(self) -> list[float]:
+        return [float(values["loss"].detach()) for values, _ in self.micro_results]
+
+    def add_to(self, averages: Averages) -> None:
+        for values, num_samples in self.micro_results:
+            averages.add(values, num_samples)
+
+
+class OptimizerStep:
+    """The model, its optimizer and companions, and the math of one step over them."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        module: nn.Module,
+        spec: ModelSpec,
+        plan: TrainingPlan,
+        train: TrainConfig,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: torch.amp.GradScaler,
+        ema: AveragedModel | None,
+        agreement: StepAgreement,
+        device: torch.device,
+        world_size: int,
+    ) -> None:
+        self.model, self.module, self.spec = model, module, spec
+        self.plan, self.train = plan, train
+        self.optimizer, self.scheduler, self.scaler, self.ema = optimizer, scheduler, scaler, ema
+        self.agreement = agreement
+        self.device, self.world_size = device, world_size
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast_for(self.plan.precision, self.device)
+
+    def _sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
+        # Gradients are all-reduced only on the last micro-step of an accumulation window.
+        if not last_micro_step and isinstance(self.model, nn.parallel.DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def forward_backward(self, batches: Iterator[Any], stop_requested: bool) -> StepOutcome:
+        """Run the accumulation window's micro-batches; the ranks agree on the step's flags
+        in the last backward's gradient all-reduce."""
+        accum = self.plan.grad_accum_steps
+        micro_results: list[tuple[dict[str, torch.Tensor], int]] = []
+        for micro in range(accum):
+            last = micro == accum - 1
+            with self._sync_context(last):
+                with self.autocast():
+                    out = self.spec.step(self.model, next(batches))
+                micro_results.append(({"loss": out.loss, **out.metrics}, out.num_samples))
+                if last:  # the flags travel with this backward's gradient all-reduce
+                    self.agreement.send(_step_flags(micro_results, stop_requested))
+                self.scaler.scale(out.loss / accum).backward()
+        nonfinite, stop = self.agreement.receive()
+        return StepOutcome(micro_results, out.loss, list(out.metrics), nonfinite, stop)
+
+    def apply(self, step: int) -> None:
+        """Clip, update the weights and the schedule; then the EMA, as of optimizer ``step``
+        (the step just taken, counted from 1)."""
+        if self.train.grad_clip is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if self.ema is not None and step > self.plan.ema_start_step:
+            # Buffers (BatchNorm statistics) are per rank until DDP's next forward: take
+            # rank 0's, so the averaged buffers stay identical on every rank.
+            broadcast_buffers(self.module, self.world_size)
+            self.ema.update_parameters(self.module)  # the first update copies the weights
+
+    def skip(self) -> None:
+        """Drop the step's gradients; the schedule follows the data, so it still advances."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+
+def _step_flags(micro_results: list, stop_requested: bool) -> torch.Tensor:
+    """This rank's view of the step: [a loss was non-finite, the driver asked to stop].
+
+    Every rank then skips, stops or checkpoints at the same step (``StepAgreement``).
+    """
+    losses = torch.stack([values["loss"].detach().float() for values, _ in micro_results])
+    stop = torch.tensor(float(stop_requested), device=losses.device)
+    return torch.stack([(~torch.isfinite(losses).all()).float(), stop])

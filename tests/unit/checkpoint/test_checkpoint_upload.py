@@ -1,0 +1,80 @@
+"""Persisting a checkpoint into the run's storage: copied under a temporary name, renamed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow.fs
+import pytest
+import ray.train
+from torch import nn
+
+from raytrain_app.checkpoint import store as ckpt
+from raytrain_app.checkpoint.upload import upload_atomically
+
+
+@pytest.fixture
+def storage(tmp_path, monkeypatch):
+    """The run's experiment folder, as Ray Train's storage context exposes it."""
+    experiment = tmp_path / "experiment"
+    experiment.mkdir()
+    context = SimpleNamespace(
+        storage_filesystem=pyarrow.fs.LocalFileSystem(),
+        build_checkpoint_path_from_name=lambda name: str(experiment / name),
+    )
+    monkeypatch.setattr(
+        ray.train, "get_context", lambda: SimpleNamespace(get_storage=lambda: context)
+    )
+    return experiment
+
+
+def _local_checkpoint(tmp_path: Path, step: int) -> ray.train.Checkpoint:
+    directory = ckpt.save_checkpoint(
+        tmp_path / f"local-{step}",
+        model=nn.Linear(2, 1),
+        train_state={"epoch": 0, "step": step},
+        meta={"epoch": 0, "step": step},
+    )
+    return ray.train.Checkpoint.from_directory(str(directory))
+
+
+def test_the_checkpoint_appears_complete_under_its_name(storage, tmp_path):
+    name = ckpt.checkpoint_name(0, 10)
+    persisted = upload_atomically(_local_checkpoint(tmp_path, 10), name)
+    assert Path(persisted.path) == storage / name
+    ckpt.verify_checkpoint(storage / name)
+    assert sorted(p.name for p in storage.iterdir()) == [name]
+
+
+def test_a_copy_killed_midway_leaves_only_a_partial_folder_that_is_never_used(
+    storage, tmp_path, monkeypatch
+):
+    upload_atomically(_local_checkpoint(tmp_path, 10), ckpt.checkpoint_name(0, 10))
+    real_copy_files = pyarrow.fs.copy_files
+
+    def copy_one_file_then_die(source, destination, **kwargs):
+        Path(destination, ckpt.MODEL_FILE).write_bytes(b"half")
+        raise KeyboardInterrupt  # stands in for SIGKILL mid-copy
+
+    monkeypatch.setattr(pyarrow.fs, "copy_files", copy_one_file_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        upload_atomically(_local_checkpoint(tmp_path, 20), ckpt.checkpoint_name(0, 20))
+    assert not (storage / ckpt.checkpoint_name(0, 20)).exists()
+    assert (storage / (ckpt.checkpoint_name(0, 20) + ".partial")).exists()
+    assert ckpt.checkpoints_newest_first(storage) == [storage / ckpt.checkpoint_name(0, 10)]
+
+    monkeypatch.setattr(pyarrow.fs, "copy_files", real_copy_files)
+    # The retried step replaces the leftover and lands complete.
+    upload_atomically(_local_checkpoint(tmp_path, 21), ckpt.checkpoint_name(0, 20))
+    ckpt.verify_checkpoint(storage / ckpt.checkpoint_name(0, 20))
+    assert not (storage / (ckpt.checkpoint_name(0, 20) + ".partial")).exists()
+
+
+def test_a_step_written_again_gets_a_new_name(storage, tmp_path):
+    name = ckpt.checkpoint_name(1, 30)
+    first = upload_atomically(_local_checkpoint(tmp_path, 30), name)
+    second = upload_atomically(_local_checkpoint(tmp_path, 31), name)
+    assert Path(second.path).name == f"{name}-r1" and first.path != second.path
+    # the rewrite counts as the newer of the two
+    assert ckpt.checkpoints_newest_first(storage)[0] == Path(second.path)

@@ -1,0 +1,112 @@
+"""Environment detection from SLURM / torchrun variables (given as mappings, no monkeypatching
+of the real environment needed), plus the defaults raytrain gives Ray Train."""
+
+from __future__ import annotations
+
+import os
+
+from raytrain_app.planning.environment import (
+    apply_ray_train_defaults,
+    detect_environment,
+    training_worker_env_vars,
+    unset_ray_train_defaults,
+)
+
+
+def test_plain_machine():
+    env = detect_environment({})
+    assert env.launcher == "local" and env.slurm is None and env.torchrun is None
+    assert env.ray_address is None
+    assert env.resources.cpus >= 1 and env.resources.source == "this machine"
+
+
+def test_slurm_allocation():
+    env = detect_environment(
+        {
+            "SLURM_JOB_ID": "4242",
+            "SLURM_NTASKS": "2",
+            "SLURM_CPUS_PER_TASK": "6",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_GPUS_PER_NODE": "a100:4",
+            "RAY_ADDRESS": "10.0.0.1:6379",
+        }
+    )
+    assert env.launcher == "slurm"
+    assert (env.slurm.job_id, env.slurm.ntasks, env.slurm.num_nodes) == ("4242", 2, 2)
+    assert env.slurm.cpus_per_task == 6 and env.slurm.gpus_per_node == 4
+    assert env.resources.cpus == 6  # SLURM's per-task CPUs, not the node's
+    assert env.ray_address == "10.0.0.1:6379"
+
+
+def test_slurm_gpus_on_node_wins_and_garbage_is_ignored():
+    env = detect_environment(
+        {
+            "SLURM_JOB_ID": "1",
+            "SLURM_GPUS_ON_NODE": "8",
+            "SLURM_GPUS_PER_NODE": "2",
+            "SLURM_NTASKS": "x",
+        }
+    )
+    assert env.slurm.gpus_per_node == 8 and env.slurm.ntasks == 1
+
+
+def test_torchrun_variables():
+    env = detect_environment(
+        {"TORCHELASTIC_RUN_ID": "abc", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}
+    )
+    assert env.launcher == "torchrun"
+    assert (env.torchrun.rank, env.torchrun.local_rank, env.torchrun.world_size) == (3, 1, 4)
+
+
+def test_environment_is_immutable():
+    env = detect_environment({})
+    try:
+        env.launcher = "slurm"  # type: ignore[misc]
+    except AttributeError:
+        pass
+    else:
+        raise AssertionError("Environment must be frozen")
+
+
+def test_ray_train_defaults_respect_the_user(monkeypatch):
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "1.5")
+    monkeypatch.delenv("RAY_TRAIN_ENABLE_PRINT_PATCH", raising=False)
+    apply_ray_train_defaults()
+    assert os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "1.5"
+    assert os.environ["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
+
+
+def test_embedded_ray_defaults_only_for_an_embedded_ray(monkeypatch):
+    monkeypatch.setattr(os, "environ", {})  # an empty environment, restored afterwards
+    apply_ray_train_defaults()
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
+    monkeypatch.setenv("RAY_TRAIN_METRICS_ENABLED", "1")  # the user's choice stays
+    added = apply_ray_train_defaults(embedded=True)
+    assert added == ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"]
+    assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+    assert os.environ["RAY_TRAIN_METRICS_ENABLED"] == "1"
+    unset_ray_train_defaults(added)  # what raytrain's embedded Ray does when it stops
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
+    assert os.environ["RAY_TRAIN_METRICS_ENABLED"] == "1"
+
+
+def test_training_workers_run_at_nice_0_unless_the_user_says_otherwise(monkeypatch):
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    assert training_worker_env_vars() == {"RAY_worker_niceness": "0"}
+    monkeypatch.setenv("RAY_worker_niceness", "10")
+    assert training_worker_env_vars() == {"RAY_worker_niceness": "10"}
+
+
+def test_reads_the_real_process_environment(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "99")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    env = detect_environment()
+    assert env.launcher == "slurm" and env.resources.cpus == 3 and env.ray_address == "auto"
+
+
+def test_dashboard_binds_to_localhost_unless_the_user_opts_in():
+    assert detect_environment({}).dashboard_host == "127.0.0.1"
+    assert detect_environment({"RAYTRAIN_DASHBOARD_HOST": ""}).dashboard_host == "127.0.0.1"
+    opted_in = detect_environment({"RAYTRAIN_DASHBOARD_HOST": "0.0.0.0"})
+    assert opted_in.dashboard_host == "0.0.0.0"
