@@ -21,15 +21,12 @@ import yaml
 
 from benchmarks.common import interleave, median, unique_name
 from benchmarks.context import Context
-from benchmarks.ray_setup import (
-    RayHead,
-    short_temp_dir,
-    start_head,
-    stop_processes_naming,
-    subprocess_env,
-)
+from benchmarks.ray_setup import TEMP_PREFIX, client_env, start_head, subprocess_env
 from benchmarks.training_rounds import torchrun_command
 from benchmarks.workload import train_config
+from raytrain_app.testing.isolation import ray_temp_dir
+from raytrain_app.testing.processes import stop_processes_naming
+from raytrain_app.testing.ray_head import RayHead
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +98,9 @@ def raytrain_run(ctx: Context, head: RayHead | None, traced: bool = False) -> di
         command = [str(Path(sys.executable).parent / "raytrain"), *args]
     if head is not None:
         command += ["--address", head.gcs_address]
-        return _launch(command, head.client_env(), scratch, stamp_file)
+        return _launch(command, client_env(head), scratch, stamp_file)
     # The embedded Ray gets its own temp dir through RAY_TMPDIR (short, for its sockets).
-    ray_tmp = short_temp_dir()
+    ray_tmp = ray_temp_dir(TEMP_PREFIX)
     env = subprocess_env(scratch / "home", RAY_TMPDIR=ray_tmp)
     try:
         run = _launch(command, env, scratch, stamp_file)

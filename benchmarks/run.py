@@ -33,8 +33,8 @@ from benchmarks.common import (
     wait_until_quiet,
 )
 from benchmarks.context import Context
-from benchmarks.ray_setup import private_home
 from benchmarks.report import markdown_table
+from raytrain_app.testing.isolation import private_home
 
 logger = logging.getLogger("benchmarks.run")
 

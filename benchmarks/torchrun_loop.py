@@ -13,54 +13,17 @@ and dropped here (persisting them is Ray's part, outside the timed epochs).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils.data import DataLoader
 
 from raytrain_app.config import config_from_dict, config_to_dict
 from raytrain_app.driver.run_directory import RunDirectory
 from raytrain_app.planning.environment import detect_environment
 from raytrain_app.planning.rules import make_plan, resolve_config
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
+from raytrain_app.worker.session import InProcessSession
 from raytrain_app.workloads import model_factory, prepare_data
-
-
-class TorchrunSession:
-    """A ``WorkerSession`` on torchrun's process group (CPU, gloo)."""
-
-    mid_epoch_checkpoints = False
-
-    def __init__(self) -> None:
-        self.world_rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def prepare_model(self, module: nn.Module, strategy: str, ddp_kwargs: dict) -> nn.Module:
-        if strategy == "single" or self.world_size == 1:
-            return module
-        return nn.parallel.DistributedDataParallel(module, **ddp_kwargs)
-
-    def prepare_loader(self, loader: DataLoader) -> DataLoader:
-        return loader
-
-    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None):
-        return None
-
-    @contextlib.contextmanager
-    def restored_checkpoint(self) -> Iterator[Path | None]:
-        yield None
-
-    def node_address(self) -> str:
-        return "127.0.0.1"
 
 
 def main() -> None:
@@ -82,7 +45,7 @@ def main() -> None:
         model=model_factory(resolved.model),
         run_dir=str(run_dir.root),
     )
-    WorkerLoop(task, TorchrunSession()).run()
+    WorkerLoop(task, InProcessSession()).run()  # rank and DDP from torchrun's group
     dist.destroy_process_group()
 
 

@@ -48,30 +48,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="raytrain", description="Data-parallel PyTorch training on Ray, laptop to SLURM."
-    )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    train = commands.add_parser("train", help="train a model (default: the quickstart)")
-    _add_config_flags(train)
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    plan = commands.add_parser("plan", help="print the resolved plan; start nothing")
-    _add_config_flags(plan)
-    plan.add_argument("--json", action="store_true", help="print one JSON object")
-
-    tune = commands.add_parser("tune", help="hyperparameter sweep of single-worker trials")
-    _add_config_flags(tune)
-
-    submit = commands.add_parser(
-        "submit",
-        help="run train or tune as a Ray job on a cluster",
-        usage="raytrain submit [--address URL] [--no-wait] [--working-dir D] -- "
-        "train|tune [ARGS ...]",
-    )
+def _add_submit_flags(submit: argparse.ArgumentParser) -> None:
     submit.add_argument(
         "--address",
         metavar="URL",
@@ -96,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the raytrain command to run, after --",
     )
 
-    jobs = commands.add_parser("jobs", help="manage submitted jobs")
+
+def _add_jobs_actions(jobs: argparse.ArgumentParser) -> None:
     jobs.add_argument("--address", metavar="URL", help="job server (as for submit)")
     actions = jobs.add_subparsers(dest="action", required=True, metavar="ACTION")
     actions.add_parser("list", help="every job on the cluster")
@@ -112,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "--follow", "-f", action="store_true", help="keep streaming until the job ends"
             )
 
-    predict = commands.add_parser("predict", help="single-device inference from a checkpoint")
+
+def _add_predict_flags(predict: argparse.ArgumentParser) -> None:
     predict.add_argument(
         "--checkpoint",
         required=True,
@@ -130,6 +109,37 @@ def build_parser() -> argparse.ArgumentParser:
         default="predictions.parquet",
         metavar="PARQUET",
         help="where to write predictions (default: %(default)s)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="raytrain", description="Data-parallel PyTorch training on Ray, laptop to SLURM."
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train a model (default: the quickstart)")
+    _add_config_flags(train)
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    plan = commands.add_parser("plan", help="print the resolved plan; start nothing")
+    _add_config_flags(plan)
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+
+    tune = commands.add_parser("tune", help="hyperparameter sweep of single-worker trials")
+    _add_config_flags(tune)
+
+    submit = commands.add_parser(
+        "submit",
+        help="run train or tune as a Ray job on a cluster",
+        usage="raytrain submit [--address URL] [--no-wait] [--working-dir D] -- "
+        "train|tune [ARGS ...]",
+    )
+    _add_submit_flags(submit)
+    _add_jobs_actions(commands.add_parser("jobs", help="manage submitted jobs"))
+    _add_predict_flags(
+        commands.add_parser("predict", help="single-device inference from a checkpoint")
     )
     return parser
 
@@ -205,10 +215,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from raytrain_app.driver.training import train
-    from raytrain_app.workloads import check_sources
 
     cfg = load_config(args.config, args.overrides)
-    check_sources(cfg.model, cfg.data)  # a wrong target or data path fails before Ray starts
     result = train(cfg, address=args.address, progress=not args.no_progress)
     s = result.summary
     final = s["final_metrics"]
@@ -241,10 +249,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from raytrain_app.config import BUILTIN_SWEEP
     from raytrain_app.sweep.tuning import tune_sweep
-    from raytrain_app.workloads import check_sources
 
     cfg = load_config(args.config, args.overrides, builtin=BUILTIN_SWEEP)
-    check_sources(cfg.model, cfg.data)
     result = tune_sweep(cfg, address=args.address)
     metric = cfg.tune.metric
     print(result.trials.drop(columns=["error"]).to_string(index=False, float_format="%.4g"))

@@ -28,3 +28,10 @@ class RunStoppedError(RunFailedError):
         super().__init__(message)
         if interrupted:  # Ctrl-C: the shell's usual code for an interrupted command
             self.exit_code = 130
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first non-empty line (its type's name when it says nothing): what a
+    one-line error quotes of a library's multi-line message."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_app.driver.reachability import check_reachable
-from raytrain_app.errors import BadInputError
+from raytrain_app.errors import BadInputError, first_line
 from raytrain_app.planning.environment import enable_client_token_auth, job_server_address
 
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -64,14 +64,9 @@ def _client(address: str | None) -> Any:
         ) from None
     except ConnectionError as exc:
         raise BadInputError(
-            f"cannot reach a Ray job server at {resolved} ({_first_line(exc)}); check "
+            f"cannot reach a Ray job server at {resolved} ({first_line(exc)}); check "
             f"--address (the dashboard address, e.g. http://HEAD:8265)"
         ) from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _job_call(address: str | None, job_id: str, method: str, *args: Any) -> Any:

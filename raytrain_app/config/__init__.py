@@ -4,30 +4,29 @@ Runs in every process (CLI, driver, workers, trials); imports nothing else of ra
 but ``errors``.
 """
 
+from raytrain_app.config.base import ConfigError
 from raytrain_app.config.loading import (
-    BUILTIN_CONFIG,
-    BUILTIN_SWEEP,
     config_from_dict,
-    config_to_dict,
     config_with_values,
     diff_configs,
-    dump_config_yaml,
     flatten,
     load_config,
-    save_config,
 )
-from raytrain_app.config.schema import (
-    ConfigError,
-    DataConfig,
+from raytrain_app.config.run_sections import DataConfig, ExperimentConfig, ModelConfig, TuneConfig
+from raytrain_app.config.schema import RaytrainConfig
+from raytrain_app.config.training_sections import (
     DataloaderConfig,
     DistributedConfig,
-    ExperimentConfig,
     FaultToleranceConfig,
-    ModelConfig,
-    RaytrainConfig,
     ScalingConfig,
     TrainConfig,
-    TuneConfig,
+)
+from raytrain_app.config.yaml_io import (
+    BUILTIN_CONFIG,
+    BUILTIN_SWEEP,
+    config_to_dict,
+    dump_config_yaml,
+    save_config,
 )
 
 __all__ = [

@@ -14,7 +14,7 @@ import ray
 
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.driver.reachability import check_reachable
-from raytrain_app.errors import RunFailedError
+from raytrain_app.errors import RunFailedError, first_line
 from raytrain_app.planning.environment import (
     Environment,
     apply_ray_train_defaults,
@@ -54,8 +54,7 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
                 added_defaults = apply_ray_train_defaults(embedded=True)
         except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
             where = f"the Ray cluster at {target}" if target else "a local Ray"
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise RunFailedError(f"could not start or reach {where}: {reason}") from exc
+            raise RunFailedError(f"could not start or reach {where}: {first_line(exc)}") from exc
         started = True
     try:
         resources, gpu = ray_cluster_resources()

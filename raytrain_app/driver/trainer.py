@@ -11,7 +11,7 @@ itself or cannot use.
   started.
 
 Each is one more process that starts and imports Ray before the first step, and two of
-them kept polling during training (1-2 % of a core on a 2-core machine). These are Ray
+them kept polling during training (benchmarks/README.md has the cost). These are Ray
 Train V2 internals of the pinned Ray (2.60); tests/distributed checks the
 trainer still runs, restarts and stops with them left out.
 """

@@ -22,14 +22,21 @@ from raytrain_app.driver.failures import user_facing_error
 from raytrain_app.driver.ray_connection import ray_session
 from raytrain_app.driver.run_directory import RunDirectory
 from raytrain_app.driver.trainer import run_trainer
-from raytrain_app.errors import BadInputError, RunStoppedError
+from raytrain_app.errors import BadInputError, RunStoppedError, first_line
 from raytrain_app.planning.environment import apply_ray_train_defaults, detect_environment
 from raytrain_app.planning.rules import TrainingPlan, make_plan, resolve_config, steps_per_epoch
 from raytrain_app.tracking.loss_plot import write_loss_plot
 from raytrain_app.tracking.metrics_log import read_metrics
 from raytrain_app.tracking.trackers import check_tracking_installed
 from raytrain_app.worker.loop import WorkerTask
-from raytrain_app.workloads import FactoryRef, build_data, build_model, model_factory, prepare_data
+from raytrain_app.workloads import (
+    FactoryRef,
+    build_data,
+    build_model,
+    check_sources,
+    model_factory,
+    prepare_data,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +90,8 @@ def _checked(section: str, factory: Any, *args: Any) -> Any:
     except BadInputError:
         raise
     except (ValueError, TypeError, KeyError, FileNotFoundError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise BadInputError(
-            f"{section}: {message}; fix the {section} section of the config"
+            f"{section}: {first_line(exc)}; fix the {section} section of the config"
         ) from exc
 
 
@@ -132,6 +138,7 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
     """
     start = time.perf_counter()
     check_tracking_installed(cfg)
+    check_sources(cfg.model, cfg.data)  # a wrong target or data path fails before Ray starts
     env = detect_environment()
     if not (address or env.ray_address or ray.is_initialized()):
         # Ray will run on this machine: plan against it first, so bad input fails in a

@@ -12,12 +12,12 @@ import os
 import platform
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
-# Ray Train V2 collects reports on a health-check poll (2 s by default), which adds up to
-# 2 s per epoch on short runs; 0.2 s costs nothing measurable on the controller.
+# Ray Train V2 collects reports on a health-check poll (2 s by default), so each report
+# can wait that long; a 0.2 s poll keeps reports prompt (its cost: benchmarks/README.md).
 _RAY_TRAIN_ENV_DEFAULTS = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
     # Without this, every line a worker logs shows up twice on the driver.
@@ -90,7 +90,6 @@ class Environment:
     gpu: GpuInfo | None = None
     slurm: SlurmInfo | None = None
     torchrun: TorchrunInfo | None = None
-    extra: Mapping[str, str] = field(default_factory=dict)
     # Where an embedded Ray's dashboard binds: ``RAYTRAIN_DASHBOARD_HOST``, else localhost.
     dashboard_host: str = LOCAL_DASHBOARD_HOST
     # This process started the Ray it uses (``driver.ray_session``): it ends with it.
@@ -267,8 +266,8 @@ def training_worker_env_vars() -> dict[str, str]:
 
     Ray starts worker processes at nice 15, below its own daemons and anything else on the
     node; training workers hold their CPUs in Ray's accounting and run at nice 0, as
-    torchrun's do (2 lock-step workers on 2 cores: epochs about 5 % faster, README
-    Performance). ``RAY_worker_niceness`` set by the user wins.
+    torchrun's do (lock-step workers otherwise lose their slices to Ray's daemons; see
+    benchmarks/README.md). ``RAY_worker_niceness`` set by the user wins.
     """
     from ray._private.ray_constants import RAY_WORKER_NICENESS  # Ray's own (lower-case) name
 

@@ -2,8 +2,8 @@
 
 Each trial is a plain Tune function trainable that runs ``loop.WorkerLoop`` itself on one
 device (one GPU, or one CPU here), with no DDP inside a trial: trials run side by side,
-one per device. (A TorchTrainer per trial measured 5-8x slower on a small machine and can
-deadlock on trial resources; see the Ray notes in the README.) The best trial becomes
+one per device. (A TorchTrainer per trial is several times slower on a small machine and
+can deadlock on trial resources: benchmarks/README.md.) The best trial becomes
 ``best_config.yaml``, a complete train config that keeps the trial's global batch and lr
 whatever the number of workers it is later trained on.
 """
@@ -41,7 +41,7 @@ from raytrain_app.planning.rules import available_devices, choose_use_gpu, make_
 from raytrain_app.sweep.search_space import build_search_space, trial_config
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
 from raytrain_app.worker.session import TuneTrialSession
-from raytrain_app.workloads import model_factory, prepare_data
+from raytrain_app.workloads import check_sources, model_factory, prepare_data
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environ
         search_alg=_search_algorithm(cfg),
         max_concurrent_trials=concurrency,
         # A finished trial's process runs the next trial: no new process importing torch
-        # and Ray per trial (1.51 -> 1.14 of the ideal sweep time in benchmarks/tune_overhead).
+        # and Ray per trial (benchmarks/tune_overhead.py measures what that saves).
         reuse_actors=True,
     )
     run_config = tune.RunConfig(
@@ -268,6 +268,7 @@ def tune_sweep(cfg: RaytrainConfig, *, address: str | None = None) -> TuneResult
         BadInputError: invalid space, config or resources (before any trial starts).
         RunFailedError: every trial failed.
     """
+    check_sources(cfg.model, cfg.data)  # a wrong target or data path fails before Ray starts
     env = detect_environment()
     space = _check_sweep(cfg, env)
     run_dir = RunDirectory.for_config(cfg)

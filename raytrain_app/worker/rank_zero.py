@@ -1,6 +1,6 @@
 """Rank gating for human-facing output, in one place.
 
-Workers call ``set_rank`` once; ``rank_zero_info``/``rank_zero_warn`` then log only on rank 0,
+Workers call ``set_rank`` once; ``rank_zero_info`` then logs only on rank 0,
 so a line appears once however many workers run.
 """
 
@@ -24,8 +24,3 @@ def is_rank_zero() -> bool:
 def rank_zero_info(logger: logging.Logger, msg: str, *args: object) -> None:
     if _rank == 0:
         logger.info(msg, *args)
-
-
-def rank_zero_warn(logger: logging.Logger, msg: str, *args: object) -> None:
-    if _rank == 0:
-        logger.warning(msg, *args)

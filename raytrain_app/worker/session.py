@@ -1,22 +1,27 @@
 """What the worker loop needs from whoever runs it: rank, device, wrapping, reporting.
 
 The loop talks only to a ``WorkerSession``. ``RayTrainSession`` is the Ray Train worker
-(DDP through ``prepare_model``, reports through ``ray.train.report``); the Tune layer
-supplies a single-worker session of its own, so one loop serves both.
+(DDP through ``prepare_model``, reports through ``ray.train.report``); ``TuneTrialSession``
+a single-worker Tune trial; ``InProcessSession`` a process without Ray (alone or on a
+torchrun process group), used by the unit tests and benchmarks. One loop serves all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from raytrain_app.checkpoint.store import checkpoints_newest_first
 from raytrain_app.checkpoint.upload import upload_atomically
 
 
@@ -143,28 +148,76 @@ class _DeviceLoader:
         return len(self.loader)
 
 
-class TuneTrialSession:
-    """A single-worker Ray Tune trial: no process group, no DDP, one device.
+class InProcessSession:
+    """This process as a worker, without Ray: alone, or one rank of a process group that
+    someone else made (torchrun, or a test's gloo processes).
 
-    Tune reserves the trial's GPU and sets ``CUDA_VISIBLE_DEVICES``, so it is ``cuda:0``.
+    Reported checkpoints are copied into ``storage`` under their names, a name already
+    taken getting a ``-rN`` suffix as in Ray Train, and ``restored_checkpoint`` hands back
+    the newest: what Ray Train does across a restart. Without ``storage`` they are
+    dropped. Every report is kept in ``reports``.
     """
 
-    world_rank = 0
-    world_size = 1
-    # A Tune result is a scheduler decision point (ASHA rungs, PBT): epochs only.
-    mid_epoch_checkpoints = False
+    # Whether checkpoints may be reported between epochs (train.checkpoint_every_steps).
+    mid_epoch_checkpoints = True
 
-    def __init__(self, use_gpu: bool) -> None:
-        self._device = torch.device("cuda:0" if use_gpu else "cpu")
+    def __init__(self, storage: Path | None = None, device: str = "cpu") -> None:
+        grouped = dist.is_available() and dist.is_initialized()
+        self.world_rank = dist.get_rank() if grouped else 0
+        self.world_size = dist.get_world_size() if grouped else 1
+        self.storage = storage
+        self._device = torch.device(device)
+        self.reports: list[dict[str, Any]] = []
 
     def device(self) -> torch.device:
         return self._device
 
     def prepare_model(self, module: nn.Module, strategy: str, ddp_kwargs: dict) -> nn.Module:
-        return module.to(self._device)
+        module = module.to(self._device)
+        if strategy == "single" or self.world_size == 1:
+            return module
+        return nn.parallel.DistributedDataParallel(module, **ddp_kwargs)
 
     def prepare_loader(self, loader: DataLoader) -> Any:
         return loader if self._device.type == "cpu" else _DeviceLoader(loader, self._device)
+
+    def report(
+        self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None
+    ) -> None:
+        self.reports.append({**metrics, "checkpoint": name if checkpoint_dir else None})
+        if checkpoint_dir is None or self.storage is None:
+            return
+        target, attempt = self.storage / name, 1
+        while target.exists():  # the same step written again after a fallback, as in Ray
+            target, attempt = self.storage / f"{name}-r{attempt}", attempt + 1
+        shutil.copytree(checkpoint_dir, target)
+
+    def checkpoints(self) -> list[Path]:
+        """The persisted checkpoints, newest first."""
+        return checkpoints_newest_first(self.storage) if self.storage else []
+
+    @contextlib.contextmanager
+    def restored_checkpoint(self) -> Iterator[Path | None]:
+        found = self.checkpoints()
+        yield found[0] if found else None
+
+    def node_address(self) -> str:
+        return socket.gethostname()
+
+
+class TuneTrialSession(InProcessSession):
+    """A single-worker Ray Tune trial: no process group, no DDP, one device; reports and
+    checkpoints go to Tune.
+
+    Tune reserves the trial's GPU and sets ``CUDA_VISIBLE_DEVICES``, so it is ``cuda:0``.
+    """
+
+    # A Tune result is a scheduler decision point (ASHA rungs, PBT): epochs only.
+    mid_epoch_checkpoints = False
+
+    def __init__(self, use_gpu: bool) -> None:
+        super().__init__(device="cuda:0" if use_gpu else "cpu")
+        self.world_rank, self.world_size = 0, 1
 
     def report(
         self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None

@@ -3,10 +3,10 @@ driver ask to stop. A rank that skipped, stopped or checkpointed at another step
 others would hang the next collective.
 
 DDP all-reduces the gradients once per optimizer step anyway, so with its default all-reduce
-the flags ride along in the step's last gradient bucket (a communication hook). On gloo with
-2 CPU workers a separate tiny all-reduce per step cost about 3 % of a step, the fused flags
-about 1 %. Where another hook owns the all-reduce (gradient compression), under
-torch.compile, FSDP or a single worker, one tiny all-reduce per step carries them instead.
+the flags ride along in the step's last gradient bucket (a communication hook): a separate
+tiny all-reduce per step costs measurably more (benchmarks/README.md). Where another hook
+owns the all-reduce (gradient compression), under torch.compile, FSDP or a single worker,
+one tiny all-reduce per step carries them instead.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from ray_head import RayHead, start_head
+
+from raytrain_app.testing.ray_head import RayHead, start_head
 
 
 @pytest.fixture(scope="module")

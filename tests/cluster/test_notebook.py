@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import ipykernel.kernelspec
@@ -15,6 +13,9 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 from paths import ROOT
+
+from raytrain_app.testing.isolation import isolated_env, ray_temp_dir
+from raytrain_app.testing.processes import stop_processes_naming
 
 pytestmark = pytest.mark.cluster
 
@@ -44,15 +45,6 @@ def _with_test_parameters(nb: nbformat.NotebookNode, output_dir: Path) -> None:
     nb.cells.append(nbformat.v4.new_code_cell(PROBE))
 
 
-def _kernel_env(home: Path, ray_tmp: str) -> dict[str, str]:
-    """This process's environment, isolated for the Ray that the kernel starts."""
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)
-    env.pop("MPLBACKEND", None)  # the kernel's inline backend renders the plots
-    env.update(HOME=str(home), RAY_TMPDIR=ray_tmp)
-    return env
-
-
 def _rows(path: Path) -> int:
     with path.open(newline="") as handle:
         return len(list(csv.DictReader(handle)))
@@ -71,10 +63,10 @@ def test_quickstart_notebook_runs(tmp_path, venv_kernel):
     nb = nbformat.read(QUICKSTART, as_version=4)
     output_dir = tmp_path / "runs"
     _with_test_parameters(nb, output_dir)
-    home = tmp_path / "home"
-    home.mkdir()
-    # Short: Ray's Unix socket paths live under it and must stay < 108 bytes.
-    ray_tmp = tempfile.mkdtemp(prefix="rt-nb-", dir="/tmp")
+    ray_tmp = ray_temp_dir("rt-nb-")
+    # Isolated for the Ray that the kernel starts; MPLBACKEND left out: the kernel's inline
+    # backend renders the plots.
+    env = isolated_env(tmp_path / "home", without=("MPLBACKEND",), RAY_TMPDIR=ray_tmp)
     client = NotebookClient(
         nb,
         timeout=600,
@@ -82,8 +74,9 @@ def test_quickstart_notebook_runs(tmp_path, venv_kernel):
         resources={"metadata": {"path": str(tmp_path)}},
     )
     try:
-        client.execute(env=_kernel_env(home, ray_tmp))  # raises CellExecutionError
+        client.execute(env=env)  # raises CellExecutionError
     finally:
+        stop_processes_naming(ray_tmp)  # normally none left: the kernel stops its Ray
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
     probe = json.loads(nb.cells[-1].outputs[0]["text"])

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +24,8 @@ from torch import nn
 import raytrain_app as rt
 from raytrain_app.checkpoint import store as ckpt
 from raytrain_app.errors import RunFailedError
+from raytrain_app.testing.isolation import ray_temp_dir
+from raytrain_app.testing.processes import stop_processes_naming, wait_until_gone
 from raytrain_app.tracking.metrics_log import read_metrics
 from raytrain_app.workloads import FactoryRef, build_data
 
@@ -147,18 +148,6 @@ def _wait_for_checkpoint_after(run_dir: Path, step: int, proc: subprocess.Popen)
     raise AssertionError(f"no checkpoint after step {step} was written")
 
 
-def _ray_processes(ray_tmp: str) -> list[int]:
-    """PIDs of processes started by the CLI's embedded Ray (they name its temp dir)."""
-    pids = []
-    for proc_dir in Path("/proc").glob("[0-9]*"):
-        try:
-            if ray_tmp.encode() in (proc_dir / "cmdline").read_bytes():
-                pids.append(int(proc_dir.name))
-        except OSError:
-            continue
-    return pids
-
-
 def test_a_sigkilled_driver_loses_nothing(reference, tmp_path):
     """`raytrain train` SIGKILLed mid-run, then the same command again. (SIGUSR1 and Ctrl-C:
     tests/cluster/test_slurm.py runs the whole preemption path, tests/unit/test_stop_signals.py
@@ -169,7 +158,7 @@ def test_a_sigkilled_driver_loses_nothing(reference, tmp_path):
     command = [sys.executable, "-m", "raytrain_app.cli", "train", "--no-progress"]
     command += ["--config", str(config_file)]
     run_dir = tmp_path / "driver"
-    ray_tmp = tempfile.mkdtemp(prefix="rt-cli-", dir="/tmp")
+    ray_tmp = ray_temp_dir("rt-cli-")
     env = _cli_env(ray_tmp)
 
     def interrupted(how: signal.Signals) -> tuple[int, str]:
@@ -184,12 +173,9 @@ def test_a_sigkilled_driver_loses_nothing(reference, tmp_path):
     # SIGKILL: no clean-up at all; the embedded Ray dies with its driver.
     code, output = interrupted(signal.SIGKILL)
     assert code == -signal.SIGKILL, output
-    deadline = time.monotonic() + 60
-    while _ray_processes(ray_tmp) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    leftovers = _ray_processes(ray_tmp)
-    for pid in leftovers:  # never leave them running, even when the assertion fails
-        os.kill(pid, signal.SIGKILL)
+    # The processes of the CLI's embedded Ray name its temp dir.
+    leftovers = wait_until_gone(ray_tmp, timeout_s=60)
+    stop_processes_naming(ray_tmp)  # never leave them running, even when the assertion fails
     assert not leftovers, "Ray processes outlived their SIGKILLed driver"
 
     final = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

@@ -156,6 +156,13 @@ def test_validation_loss_is_the_exact_global_mean(runs):
     assert runs[2].metrics[-1]["val_loss"] == pytest.approx(loss, rel=1e-4)
 
 
+def test_plan_is_still_callable_after_train(runs, tmp_path):
+    """A notebook plans again after training: ``rt.plan`` must still be the function."""
+    cfg = small_config(tmp_path, "again", 2)
+    assert rt.plan(cfg) == rt.plan(cfg)
+    assert rt.plan(cfg).world_size == 2
+
+
 def test_a_different_config_under_an_existing_name_is_refused(runs):
     root = runs[2].run_dir
     before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
@@ -190,7 +197,7 @@ def test_predict_writes_parquet_from_a_run_directory(runs, tmp_path):
 def test_the_runs_started_only_the_ray_actors_training_needs(runs):
     # On a Ray this process started, without Ray Datasets, Ray Train's dataset manager,
     # autoscaling coordinator and placement-group cleaner would each be one more process
-    # to start before the first step (raytrain_app/ray_trainer.py).
+    # to start before the first step (raytrain_app/driver/trainer.py).
     import ray
     from ray.util.state import list_actors
 

@@ -10,6 +10,7 @@ import pytest
 import raytrain_app as rt
 from raytrain_app.cli import main
 from raytrain_app.sweep.tuning import BEST_CONFIG_FILE, TRIALS_FILE
+from raytrain_app.testing.isolation import ray_temp_dir
 
 pytestmark = pytest.mark.distributed
 
@@ -118,7 +119,6 @@ def test_an_interrupted_sweep_resumes_with_the_same_command(ray_cluster, tmp_pat
     import signal
     import subprocess
     import sys
-    import tempfile
     import time
 
     import yaml
@@ -139,7 +139,7 @@ def test_an_interrupted_sweep_resumes_with_the_same_command(ray_cluster, tmp_pat
     command = [sys.executable, "-m", "raytrain_app.cli", "tune", "--config", str(config)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # The subprocess's own embedded Ray, under a short path (Unix sockets live there).
-    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rt-tune-", dir="/tmp")
+    env["RAY_TMPDIR"] = ray_temp_dir(prefix="rt-tune-")
 
     run_dir = tmp_path / "resumable"
     with subprocess.Popen(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,11 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from raytrain_app.testing.ports import free_ports
 
 
 def _rank_main(rank: int, port: int, fn: Callable[[int], Any], out_dir: str) -> None:
@@ -31,5 +26,5 @@ def run_on_two_ranks(fn: Callable[[int], Any], out_dir: Path) -> list[Any]:
 
     ``fn`` must be a module-level function: the processes are spawned and import it.
     """
-    mp.spawn(_rank_main, args=(_free_port(), fn, str(out_dir)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_ports(1)[0], fn, str(out_dir)), nprocs=2, join=True)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(2)]

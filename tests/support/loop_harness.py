@@ -1,24 +1,20 @@
 """Runs the worker loop in this process with one worker, without Ray.
 
-``LocalSession`` stands in for Ray Train: it keeps reported checkpoints in a folder and
-hands the newest back on resume, as Ray does after a restart.
+``LocalSession`` is the product's ``InProcessSession`` (checkpoints kept in a folder, the
+newest handed back on resume, as Ray does after a restart) that can also crash on cue.
 """
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from raytrain_app.checkpoint import store as ckpt
-from raytrain_app.config import config_from_dict, config_to_dict
+from raytrain_app.config import RaytrainConfig, config_from_dict, config_to_dict
 from raytrain_app.planning.environment import detect_environment
 from raytrain_app.planning.rules import make_plan
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
+from raytrain_app.worker.session import InProcessSession
 from raytrain_app.workloads import model_factory, prepare_data
 
 # Of a run's metrics, what an interrupted run must reproduce exactly (timings differ).
@@ -29,49 +25,21 @@ class Crash(Exception):
     """Stands in for a worker dying right after a checkpoint was persisted."""
 
 
-class LocalSession:
-    """A one-worker WorkerSession that persists checkpoints like Ray Train does."""
-
-    world_rank = 0
-    world_size = 1
-    mid_epoch_checkpoints = True
+class LocalSession(InProcessSession):
+    """A one-worker session that persists checkpoints like Ray Train does, and can die
+    right after its ``crash_after_checkpoints``-th persisted checkpoint."""
 
     def __init__(self, storage: Path, crash_after_checkpoints: int | None = None) -> None:
-        self.storage = storage
-        self.storage.mkdir(parents=True, exist_ok=True)
+        storage.mkdir(parents=True, exist_ok=True)
+        super().__init__(storage)
         self.crash_after = crash_after_checkpoints
-        self.reports: list[dict] = []
-
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def prepare_model(self, module: nn.Module, strategy: str, ddp_kwargs: dict) -> nn.Module:
-        return module
-
-    def prepare_loader(self, loader):
-        return loader
 
     def report(self, metrics: dict, checkpoint_dir: Path | None, name: str | None) -> None:
-        self.reports.append({**metrics, "checkpoint": name if checkpoint_dir else None})
+        super().report(metrics, checkpoint_dir, name)
         if checkpoint_dir is None:
             return
-        target, attempt = self.storage / name, 1
-        while target.exists():  # the same step written again after a fallback, as in Ray
-            target, attempt = self.storage / f"{name}-r{attempt}", attempt + 1
-        shutil.copytree(checkpoint_dir, target)
         if self.crash_after is not None and len(self.checkpoints()) >= self.crash_after:
             raise Crash
-
-    def checkpoints(self) -> list[Path]:
-        return ckpt.checkpoints_newest_first(self.storage)
-
-    @contextlib.contextmanager
-    def restored_checkpoint(self) -> Iterator[Path | None]:
-        found = self.checkpoints()
-        yield found[0] if found else None
-
-    def node_address(self) -> str:
-        return "127.0.0.1"
 
 
 def make_task(tmp_path: Path, **train: object) -> WorkerTask:
@@ -87,14 +55,17 @@ def make_task(tmp_path: Path, **train: object) -> WorkerTask:
         "dataloader": {"num_workers": 0},
         **sections,
     }
-    cfg = config_from_dict(raw)
-    plan = make_plan(cfg, detect_environment())
-    run_dir = tmp_path / "runs" / "loop"
+    return worker_task(config_from_dict(raw), tmp_path / "runs" / "loop")
+
+
+def worker_task(cfg: RaytrainConfig, run_dir: Path, data_dir: Path | None = None) -> WorkerTask:
+    """What the driver would send a worker for ``cfg``, its data prepared in ``data_dir``
+    (default: the run directory's data/)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     return WorkerTask(
         config=config_to_dict(cfg),
-        plan=plan,
-        data=prepare_data(cfg.data, run_dir / "data", cfg.experiment.seed),
+        plan=make_plan(cfg, detect_environment()),
+        data=prepare_data(cfg.data, data_dir or run_dir / "data", cfg.experiment.seed),
         model=model_factory(cfg.model),
         run_dir=str(run_dir),
     )

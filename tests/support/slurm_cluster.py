@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raytrain_app.testing.isolation import isolated_env
+
 SUBNET = "10.77.0"  # only inside the test's own network namespaces
 SLURM_PACKAGES = ("slurmctld", "slurmd", "sbatch", "munged", "unshare", "nsenter", "ip")
 
@@ -306,7 +308,7 @@ def start_cluster(
 ) -> SlurmCluster:
     """Start munge + slurmctld + ``num_nodes`` slurmd; returns once every node is idle."""
     root = Path(tempfile.mkdtemp(prefix="rt-slurm-", dir="/tmp"))
-    for sub in ("munge", "state", "spool", "log", "home"):
+    for sub in ("munge", "state", "spool", "log"):
         (root / sub).mkdir()
     os.chmod(root / "munge", 0o755)  # munged wants its socket reachable by every user
     nodes = [Node(f"node{i + 1}", f"{SUBNET}.{i + 1}") for i in range(num_nodes)]
@@ -318,14 +320,10 @@ def start_cluster(
     for node in nodes:
         (root / "spool" / node.name).mkdir()
     bin_dir = str(venv_bin or Path(sys.executable).parent)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RAY_", "SLURM_")) and k != "PYTHONPATH"
-    }
-    env.update(
+    env = isolated_env(
+        root / "home",
+        without=("RAY_", "SLURM_", "PYTHONPATH"),
         SLURM_CONF=str(root / "slurm.conf"),
-        HOME=str(root / "home"),
         PATH=f"{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin",
     )
     cluster = SlurmCluster(root=root, nodes=nodes, cpus=cpus, env=env)

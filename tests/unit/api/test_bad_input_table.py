@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -34,6 +33,8 @@ from torch import nn
 from raytrain_app.checkpoint.store import MODEL_FILE, save_checkpoint
 from raytrain_app.config import config_to_dict, load_config, save_config
 from raytrain_app.data import parquet_windows, synthetic_wind
+from raytrain_app.testing.isolation import isolated_env
+from raytrain_app.testing.ports import free_ports
 from raytrain_app.workloads import BUILTIN_MODELS, FactoryRef, build_model
 
 EXISTING = "existing"  # experiment.name of the finished run every case must leave untouched
@@ -505,12 +506,6 @@ def test_the_table_is_big_and_every_case_names_the_problem_and_the_fix():
 # --------------------------------------------------------------------------- the workspace
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _snapshot(root: Path) -> dict[str, str]:
     """Every file and folder under ``root`` with its content hash."""
     state = {}
@@ -618,20 +613,17 @@ def workspace(tmp_path_factory) -> Workspace:
     (ws / "parquet.yaml").write_text(PARQUET_CONFIG)
     (base / "outside.yaml").write_text("train: {epochs: 1}\n")
     (base / "io").mkdir()
-    (base / "home").mkdir()
     good, data = _write_data(ws / "data")
     run = _write_run(ws, good, data)
-    return Workspace(ws, base / "io", _snapshot(run), _free_port())
+    return Workspace(ws, base / "io", _snapshot(run), free_ports(1)[0])
 
 
 class ForkingCli:
     """A process that imported the CLI once and runs each case in a forked child."""
 
     def __init__(self, workspace: Workspace) -> None:
-        drop = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
-        env = {k: v for k, v in os.environ.items() if k not in drop}
-        env.update(
-            HOME=str(workspace.io.parent / "home"),
+        env = isolated_env(
+            workspace.io.parent / "home",
             RAY_TMPDIR=str(workspace.root / "raytmp"),
             CUDA_VISIBLE_DEVICES="",  # the device cases assume a CPU-only machine
         )

@@ -19,22 +19,12 @@ from pathlib import Path
 
 import pytest
 import ray
+from contract import PLAN_JSON_KEYS
 
 from raytrain_app import cli
 from raytrain_app.config import ConfigError
 from raytrain_app.driver import ray_connection, training
 from raytrain_app.planning.environment import Resources
-
-PLAN_JSON_KEYS = {
-    "world_size",
-    "per_worker_batch_size",
-    "grad_accum_steps",
-    "effective_batch_size",
-    "precision",
-    "backend",
-    "strategy",
-    "lr",
-}
 
 # Caught by load_config, before the driver (and Ray) is touched: (--set or flags, message part).
 CONFIG_ERRORS = {

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -34,20 +33,15 @@ from raytrain_app.checkpoint.train_state import rng_state, set_rng_state
 from raytrain_app.config import RaytrainConfig, config_to_dict
 from raytrain_app.data import parquet_windows, synthetic_wind
 from raytrain_app.errors import BadInputError
+from raytrain_app.testing.ports import free_ports
 from raytrain_app.workloads import BUILTIN_MODELS, FactoryRef, build_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
 def gloo_group():
     """A 1-process gloo group on CPU, so DDP can wrap a model; destroyed afterwards."""
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}", rank=0, world_size=1
     )
     yield
     dist.destroy_process_group()

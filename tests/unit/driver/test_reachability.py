@@ -9,6 +9,7 @@ import pytest
 from raytrain_app.driver import reachability
 from raytrain_app.driver.reachability import check_reachable, parse_host_port
 from raytrain_app.errors import BadInputError
+from raytrain_app.testing.ports import free_ports
 
 
 @pytest.mark.parametrize(
@@ -63,9 +64,7 @@ def listening_port():
 
 @pytest.fixture
 def closed_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]  # free: nothing listens there
 
 
 def test_a_listening_address_passes(listening_port):

@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 
 import pytest
+from contract import PLAN_JSON_KEYS
 from environments import A100, P100, V100, make_env
 
 from raytrain_app.config import config_from_dict
@@ -124,16 +125,7 @@ def test_auto_plan_on_a_two_core_cpu_machine():
         False,
     )
     assert plan.dataloader_workers == 0 and plan.pin_memory is False
-    assert set(plan.to_dict()) >= {
-        "world_size",
-        "per_worker_batch_size",
-        "grad_accum_steps",
-        "effective_batch_size",
-        "precision",
-        "backend",
-        "strategy",
-        "lr",
-    }
+    assert set(plan.to_dict()) >= PLAN_JSON_KEYS
 
 
 def test_auto_world_size_picks_most_devices_that_split_the_batch():

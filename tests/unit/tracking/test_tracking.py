@@ -2,30 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import logging
 import struct
 import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+from loop_harness import worker_task
 
 from raytrain_app.checkpoint.ranking import SCORE_KEY, WORST_SCORE, UnknownMonitorError
 from raytrain_app.cli import main
-from raytrain_app.config import ConfigError, config_from_dict, config_to_dict
-from raytrain_app.planning.environment import detect_environment
-from raytrain_app.planning.rules import make_plan
+from raytrain_app.config import ConfigError, config_from_dict
 from raytrain_app.tracking import trackers as tracking
 from raytrain_app.tracking.loss_plot import loss_figure, write_loss_plot
 from raytrain_app.tracking.tensorboard_tracker import read_tensorboard_scalars
 from raytrain_app.tracking.trackers import open_tracker
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
-from raytrain_app.workloads import model_factory, prepare_data
+from raytrain_app.worker.session import InProcessSession
 
 
 def _cfg(tmp_path: Path, **sections: dict):
@@ -243,34 +239,12 @@ def test_without_matplotlib_a_note_says_how_to_get_the_plot(tmp_path, monkeypatc
 # --------------------------------------------------------------------------- the worker loop
 
 
-class _Session:
+class _Session(InProcessSession):
     """One in-process worker of a given rank; keeps reports, no checkpoints on disk."""
 
-    world_size = 1
-    mid_epoch_checkpoints = True
-
     def __init__(self, rank: int) -> None:
+        super().__init__()
         self.world_rank = rank
-        self.reports: list[dict] = []
-
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def prepare_model(self, module, strategy, ddp_kwargs):
-        return module
-
-    def prepare_loader(self, loader):
-        return loader
-
-    def report(self, metrics, checkpoint_dir, name) -> None:
-        self.reports.append(dict(metrics))
-
-    @contextlib.contextmanager
-    def restored_checkpoint(self) -> Iterator[None]:
-        yield None
-
-    def node_address(self) -> str:
-        return "127.0.0.1"
 
 
 def _task(tmp_path: Path, **train) -> WorkerTask:
@@ -285,15 +259,7 @@ def _task(tmp_path: Path, **train) -> WorkerTask:
             "tracking": {"log_every_steps": 3},
         }
     )
-    run_dir = tmp_path / "loop"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return WorkerTask(
-        config=config_to_dict(cfg),
-        plan=make_plan(cfg, detect_environment()),
-        data=prepare_data(cfg.data, tmp_path / "data", cfg.experiment.seed),
-        model=model_factory(cfg.model),
-        run_dir=str(run_dir),
-    )
+    return worker_task(cfg, tmp_path / "loop", tmp_path / "data")
 
 
 def test_rank_zero_tracks_and_reports_scores_that_rank_epochs_above_mid_epoch(tmp_path):

@@ -9,17 +9,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from loop_harness import Crash, LocalSession, assert_same_run
+from loop_harness import Crash, LocalSession, assert_same_run, worker_task
 from torch import nn
 
 import raytrain_app as rt
 from raytrain_app.checkpoint import store as ckpt
-from raytrain_app.config import config_from_dict, config_to_dict
-from raytrain_app.planning.environment import detect_environment
-from raytrain_app.planning.rules import make_plan
+from raytrain_app.config import config_from_dict
 from raytrain_app.predict import predict
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
-from raytrain_app.workloads import model_factory, prepare_data
 
 SMALL = {"num_train": 128, "num_val": 30, "image_size": 16, "pad": 2}
 
@@ -36,16 +33,7 @@ def _image_task(tmp_path: Path, **train: object) -> WorkerTask:
         # Augmentation runs in a loader process that persists across epochs and resumes.
         "dataloader": {"num_workers": 1},
     }
-    cfg = config_from_dict(raw)
-    run_dir = tmp_path / "runs" / "images"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return WorkerTask(
-        config=config_to_dict(cfg),
-        plan=make_plan(cfg, detect_environment()),
-        data=prepare_data(cfg.data, run_dir / "data", cfg.experiment.seed),
-        model=model_factory(cfg.model),
-        run_dir=str(run_dir),
-    )
+    return worker_task(config_from_dict(raw), tmp_path / "runs" / "images")
 
 
 def _run(task: WorkerTask, session: LocalSession) -> tuple[dict, dict[str, torch.Tensor]]:

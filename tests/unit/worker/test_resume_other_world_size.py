@@ -18,7 +18,6 @@ import pytest
 import torch
 from gloo_ranks import run_on_two_ranks
 from loop_harness import TIMING_KEYS, Crash, LocalSession, make_task, run_loop
-from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_app.config import config_from_dict
 from raytrain_app.driver.run_directory import RunDirectory
@@ -32,16 +31,14 @@ CRASH_AFTER = 5
 
 
 class TwoRankSession(LocalSession):
-    """One of two gloo ranks: DDP, rank 0 persists the checkpoints, both crash together."""
+    """One of two gloo ranks (rank and DDP from the process group), rank 0 persists the
+    checkpoints, both crash together."""
 
-    def __init__(self, rank: int, storage: Path, crash_after: int | None) -> None:
+    def __init__(self, storage: Path, crash_after: int | None) -> None:
         super().__init__(storage)
-        self.world_rank, self.world_size = rank, 2
+        assert self.world_size == 2
         self.crash_after_named = crash_after
         self.named = 0
-
-    def prepare_model(self, module, strategy, ddp_kwargs):
-        return DistributedDataParallel(module, **ddp_kwargs)
 
     def report(self, metrics, checkpoint_dir, name) -> None:
         super().report(metrics, checkpoint_dir, name)
@@ -73,12 +70,10 @@ def _two_worker_runs(reference: WorkerTask, crashing: WorkerTask, root: Path) ->
 def _rank(rank: int, tasks: tuple[WorkerTask, WorkerTask], root: str) -> dict:
     torch.set_num_threads(1)
     reference, crashing = tasks
-    loop = WorkerLoop(reference, TwoRankSession(rank, Path(root) / "ref-ckpt", None))
+    loop = WorkerLoop(reference, TwoRankSession(Path(root) / "ref-ckpt", None))
     result = loop.run()
     try:
-        WorkerLoop(
-            crashing, TwoRankSession(rank, Path(crashing.run_dir) / "ckpt", CRASH_AFTER)
-        ).run()
+        WorkerLoop(crashing, TwoRankSession(Path(crashing.run_dir) / "ckpt", CRASH_AFTER)).run()
         crashed = False
     except Crash:
         crashed = True

@@ -1,0 +1,212 @@
+"""The sections saying how workers train: optimisation, scaling, parallelism, loading, restarts."""
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from raytrain_app.config.base import NonNegativeInt, PositiveFloat, PositiveInt, _Section
+
+_MONITOR = re.compile(r"(train|val)_\w+")
+
+
+class EmaConfig(_Section):
+    """An exponential moving average of the weights, used for validation when enabled."""
+
+    enabled: bool = Field(False, description="Keep an EMA of the weights and validate with it.")
+    decay: float = Field(
+        0.999, gt=0, lt=1, description="Weight of the old average at each optimizer step."
+    )
+    start_step: NonNegativeInt = Field(
+        0, description="Optimizer steps before averaging starts (the EMA copies the weights)."
+    )
+
+
+class TrainConfig(_Section):
+    """Optimisation: epochs, batch size, learning-rate schedule, optimizer and checkpoints."""
+
+    epochs: PositiveInt = Field(5, description="Number of passes over the training data.")
+    global_batch_size: PositiveInt = Field(
+        64,
+        description="Effective batch size per optimizer step, the same for any number of workers.",
+    )
+    max_batch_per_worker: Literal["auto"] | PositiveInt | None = Field(
+        None,
+        description="Largest micro-batch one worker may hold in memory; above it gradient "
+        "accumulation keeps global_batch_size. auto probes the GPU (forward and backward of "
+        "the real model) at start; null or auto on CPUs: no cap.",
+    )
+    lr: PositiveFloat = Field(
+        1e-3, description="Peak learning rate, before any lr_scaling is applied."
+    )
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none",
+        description="How lr scales with global_batch_size relative to base_batch_size.",
+    )
+    base_batch_size: PositiveInt | None = Field(
+        None,
+        description="Batch size the lr was tuned for; null means global_batch_size, so "
+        "scaling changes nothing.",
+    )
+    warmup_steps: NonNegativeInt = Field(
+        0, description="Optimizer steps of linear warmup from zero to the peak lr."
+    )
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Floor of the cosine decay as a fraction of the peak lr.",
+    )
+    optimizer: Literal["adamw", "adam", "sgd"] = Field(
+        "adamw", description="Optimizer used for every parameter."
+    )
+    weight_decay: float = Field(
+        0.01, ge=0, description="Weight decay coefficient passed to the optimizer."
+    )
+    grad_clip: PositiveFloat | None = Field(
+        1.0, description="Maximum global gradient norm; null disables clipping."
+    )
+    checkpoint_every_epochs: PositiveInt = Field(
+        1, description="Save a checkpoint every this many epochs (and always after the last)."
+    )
+    checkpoint_every_steps: PositiveInt | None = Field(
+        None,
+        description="Also save a checkpoint every this many optimizer steps, mid-epoch; a "
+        "resume continues at the exact next batch. null: epoch checkpoints only.",
+    )
+    ema: EmaConfig = Field(
+        default_factory=EmaConfig, description="Exponential moving average of the weights."
+    )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="When a step's loss is NaN or infinite: stop the run naming the step (no "
+        "checkpoint of it is written), or skip that optimizer step and count it.",
+    )
+    keep_checkpoints: PositiveInt | None = Field(
+        2,
+        description="Number of best checkpoints (ranked by monitor and mode) to keep, plus "
+        "always the newest one, which a resume needs; null keeps all of them.",
+    )
+    monitor: str = Field(
+        "val_loss",
+        description="Epoch metric that ranks checkpoints: train_loss, val_loss, or train_/val_ "
+        "followed by a metric the model's step returns (e.g. val_mae).",
+    )
+    mode: Literal["min", "max"] = Field(
+        "min", description="Whether a smaller or a larger monitor value is better."
+    )
+
+    @field_validator("monitor")
+    @classmethod
+    def _epoch_metric(cls, value: str) -> str:
+        """Only train_* and val_* columns are per-epoch model metrics worth ranking by."""
+        if not _MONITOR.fullmatch(value):
+            raise ValueError(
+                "must name an epoch metric: train_loss, val_loss, or train_/val_ followed by a "
+                "metric the model's step returns (e.g. val_mae)"
+            )
+        return value
+
+
+class ScalingConfig(_Section):
+    """How many Ray Train workers run and what each one reserves."""
+
+    num_workers: Literal["auto"] | PositiveInt = Field(
+        "auto",
+        description="Number of training workers; auto uses as many GPUs (or CPUs / "
+        "cpus_per_worker) as split global_batch_size evenly.",
+    )
+    use_gpu: Literal["auto"] | bool = Field(
+        "auto", description="Train on GPUs; auto uses them when the cluster has any."
+    )
+    cpus_per_worker: PositiveFloat = Field(1.0, description="CPUs Ray reserves for each worker.")
+    gpus_per_worker: PositiveFloat = Field(
+        1.0, description="GPUs Ray reserves for each worker when use_gpu is on; may be fractional."
+    )
+
+
+class DistributedConfig(_Section):
+    """How workers are wrapped and how they communicate."""
+
+    strategy: Literal["auto", "ddp", "single", "fsdp", "dp"] = Field(
+        "auto",
+        description="Parallel strategy: ddp (auto), single (one unwrapped worker), fsdp (GPUs "
+        "only); dp is refused because DDP replaces it.",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto",
+        description="torch.distributed backend; auto picks nccl on GPUs and gloo on CPUs.",
+    )
+    timeout_s: PositiveInt = Field(
+        600, description="Seconds a collective may wait before the process group times out."
+    )
+    find_unused_parameters: bool = Field(
+        False,
+        description="Let DDP tolerate parameters that get no gradient, at some speed cost.",
+    )
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none",
+        description="DDP communication hook for gradients: fp16/bf16 halve the bytes (nccl "
+        "only), powersgd sends low-rank factors (any backend); once per optimizer step.",
+    )
+    powersgd_rank: PositiveInt = Field(
+        1, description="Rank of PowerSGD's low-rank approximation; higher is more exact."
+    )
+    start_powersgd_iter: int = Field(
+        10,
+        ge=2,
+        description="Optimizer steps of plain all-reduce before PowerSGD starts.",
+    )
+    sync_batchnorm: Literal["auto"] | bool = Field(
+        "auto",
+        description="Compute BatchNorm statistics over all workers' samples (SyncBatchNorm, "
+        "on GPUs and CPUs); auto turns it on for ddp with more than one worker. Models without "
+        "BatchNorm are unaffected.",
+    )
+
+
+class OptimizationsConfig(_Section):
+    """Speed and memory switches that leave the optimisation itself unchanged."""
+
+    compile: Literal["auto"] | bool = Field(
+        "auto",
+        description="torch.compile the model; auto turns it on for GPUs with compute "
+        "capability >= 8.0.",
+    )
+    gradient_checkpointing: Literal["auto"] | bool = Field(
+        "auto",
+        description="Recompute activations in the backward pass to save memory; needs a model "
+        "with gradient_checkpointing_enable(); auto turns it on when the micro-batch does not "
+        "fit the GPU's memory.",
+    )
+
+
+class DataloaderConfig(_Section):
+    """Per-worker PyTorch DataLoader settings."""
+
+    num_workers: Literal["auto"] | NonNegativeInt = Field(
+        "auto",
+        description="Loader processes per training worker; auto is cpus_per_worker - 1, since "
+        "the training process needs one CPU itself.",
+    )
+    pin_memory: Literal["auto"] | bool = Field(
+        "auto", description="Pin host memory for faster copies; auto pins when training on GPUs."
+    )
+    persistent_workers: bool = Field(
+        True,
+        description="Keep loader processes alive between epochs when num_workers is above 0.",
+    )
+    prefetch_factor: PositiveInt = Field(
+        2, description="Batches each loader process prepares ahead of time."
+    )
+
+
+class FaultToleranceConfig(_Section):
+    """Restarts after worker failures."""
+
+    max_failures: int = Field(
+        3,
+        ge=-1,
+        description="Times the run restarts from its newest checkpoint after a failure; "
+        "-1 means unlimited.",
+    )

@@ -1,0 +1,123 @@
+"""Finding Parquet files, checking their footers and reading numeric columns from them.
+
+Every problem with the files is a ``BadInputError`` that names the file or column and
+what to change, so the driver can report it before any cluster starts.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+from raytrain_app.errors import BadInputError, first_line
+
+PathLike = str | Path
+
+
+def resolve_paths(path: PathLike | Sequence[PathLike]) -> list[Path]:
+    """Expand a file, directory, glob or sequence of them into a sorted list of Parquet files."""
+    items = [path] if isinstance(path, (str, Path)) else list(path)
+    files: list[Path] = []
+    for item in items:
+        item_str = str(item)
+        if glob.has_magic(item_str):
+            files.extend(Path(p) for p in sorted(glob.glob(item_str, recursive=True)))
+        elif Path(item_str).is_dir():
+            files.extend(sorted(Path(item_str).rglob("*.parquet")))
+        elif Path(item_str).is_file():
+            files.append(Path(item_str))
+    files = [f for f in files if f.is_file()]
+    if not files:
+        raise BadInputError(
+            f"No Parquet files match data path {path!r}; give a file, a directory or a glob "
+            "such as 'data/*.parquet'."
+        )
+    return files
+
+
+def _file_schema(file: Path) -> pa.Schema:
+    """The schema in a Parquet file's footer; a missing or torn footer names the file."""
+    try:
+        return pq.read_schema(file)
+    except PermissionError:
+        raise BadInputError(
+            f"Data file '{file}' cannot be read (permission denied); make it readable "
+            "(chmod +r) or point data.path elsewhere."
+        ) from None
+    except (pa.ArrowException, OSError) as exc:
+        raise BadInputError(
+            f"Data file '{file}' is not a readable Parquet file ({first_line(exc)}); it may be "
+            "truncated or in another format: write it again as Parquet or leave it out of "
+            "data.path."
+        ) from None
+
+
+def check_files(
+    path: PathLike | Sequence[PathLike], numeric: Sequence[str], other: Sequence[str] = ()
+) -> list[Path]:
+    """Resolve ``path`` and check every file's footer, columns and column types; read no rows.
+
+    Args:
+        path: a Parquet file, a directory (searched recursively), a glob, or a list of them.
+        numeric: columns that must be numeric (the features, then the target).
+        other: further columns that must exist (group and time columns).
+
+    Returns:
+        The resolved Parquet files.
+    """
+    files = resolve_paths(path)
+    for file in files:
+        schema = _file_schema(file)
+        missing = [c for c in dict.fromkeys([*numeric, *other]) if c not in schema.names]
+        if missing:
+            raise BadInputError(
+                f"Column(s) {missing} not found in data file '{file}'; available columns: "
+                f"{schema.names}; fix the column names in data.params or the file."
+            )
+        for name in numeric:
+            column_type = schema.field(name).type
+            if not (pa.types.is_integer(column_type) or pa.types.is_floating(column_type)):
+                raise BadInputError(
+                    f"Column {name!r} of data file '{file}' has type {column_type}; it must be "
+                    "numeric: convert it in the file or leave it out of data.params."
+                )
+    return files
+
+
+def read_table(files: list[Path], columns: list[str]) -> pa.Table:
+    """Read only ``columns`` from ``files`` (already checked by ``check_files``)."""
+    try:
+        return pads.dataset([str(f) for f in files], format="parquet").to_table(columns=columns)
+    except (pa.ArrowException, OSError) as exc:
+        # a footer can be intact while a page inside the file is not
+        raise BadInputError(
+            f"The Parquet data in data.path cannot be read ({first_line(exc)}); write the "
+            "damaged file again or leave it out of data.path."
+        ) from None
+
+
+def column_as_float(table: pa.Table, name: str) -> np.ndarray:
+    """One column as float64 numpy, rejecting non-numeric types and missing values."""
+    column = table.column(name)
+    if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
+        raise BadInputError(f"Column {name!r} has type {column.type}; it must be numeric.")
+    values = column.to_numpy(zero_copy_only=False).astype(np.float64)
+    if column.null_count or not np.isfinite(values).all():
+        raise BadInputError(
+            f"Column {name!r} contains missing or non-finite values; clean them first."
+        )
+    return values
+
+
+def feature_matrix(table: pa.Table, feature_columns: list[str]) -> np.ndarray:
+    """``[rows, len(feature_columns)]`` float64 features; zero columns is allowed."""
+    if not feature_columns:
+        # The model then sees only the target's own past.
+        return np.empty((table.num_rows, 0))
+    return np.stack([column_as_float(table, c) for c in feature_columns], axis=1)

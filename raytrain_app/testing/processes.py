@@ -1,0 +1,53 @@
+"""Processes found by a marker in their command line, and stopped by PID.
+
+``ray stop`` stops every Ray process on the machine. A Ray instance started with its own
+temp dir is stopped alone instead: its processes name that dir on their command lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+# The instances stopped here are thrown away (their temp dir is deleted next), so SIGTERM
+# only lets a process exit tidily. Some of Ray's processes take over 10 s to honour it while
+# a job is torn down; a longer grace would only add waiting before the SIGKILL that follows.
+TERM_GRACE_S = 3.0
+KILL_WAIT_S = 5.0  # how long SIGKILLed processes may take to disappear from /proc
+_POLL_S = 0.2
+
+
+def pids_naming(marker: str) -> list[int]:
+    """PIDs of the processes, other than this one, whose command line contains ``marker``."""
+    needle = marker.encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # it exited while we looked
+            continue
+    return found
+
+
+def wait_until_gone(marker: str, timeout_s: float) -> list[int]:
+    """Wait up to ``timeout_s`` for every process naming ``marker`` to exit; those left."""
+    deadline = time.monotonic() + timeout_s
+    while (left := pids_naming(marker)) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    return left
+
+
+def stop_processes_naming(marker: str) -> None:
+    """SIGTERM every process naming ``marker``, then SIGKILL those left after a grace."""
+    for sig, wait_s in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
+        for pid in pids_naming(marker):
+            with contextlib.suppress(ProcessLookupError):  # it may have exited already
+                os.kill(pid, sig)
+        if not wait_until_gone(marker, wait_s):
+            return

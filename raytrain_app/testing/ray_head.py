@@ -1,0 +1,140 @@
+"""A private Ray head (``ray start --head``): own ports, temp dir, HOME and token; stopped by PID.
+
+``ray stop`` would stop every Ray on the machine, so the head's processes are found by its
+temp dir on their command lines and signalled one by one (``processes``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytrain_app.testing.isolation import isolated_env, ray_temp_dir
+from raytrain_app.testing.ports import free_ports
+from raytrain_app.testing.processes import stop_processes_naming
+
+START_TIMEOUT_S = 120.0  # ``ray start --head`` itself
+JOB_SERVER_TIMEOUT_S = 60.0  # then until the dashboard's job API answers
+
+
+@dataclass(frozen=True)
+class RayHead:
+    """A running head node and what a client needs to reach it."""
+
+    gcs_address: str  # 127.0.0.1:PORT, for ``ray.init`` and ``raytrain train --address``
+    dashboard_url: str  # http://127.0.0.1:PORT, for the job API
+    token: str
+    temp_dir: str  # Ray's temp dir; every process of the head names it
+    home: Path  # the HOMEs of the head ("head") and of its clients ("client")
+
+    def client_env(self, with_token: bool = True, **set_vars: str) -> dict[str, str]:
+        """Environment of a client process: its own HOME and the head's token (or none)."""
+        if with_token:
+            set_vars = {"RAY_AUTH_TOKEN": self.token, "RAY_AUTH_MODE": "token", **set_vars}
+        return isolated_env(self.home / "client", **set_vars)
+
+    def stop(self) -> None:
+        """Stop every process of this head and delete its temp dir."""
+        stop_processes_naming(self.temp_dir)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def start_head(
+    root: Path, num_cpus: int = 2, *, pythonpath: str | None = None, temp_dir: str | None = None
+) -> RayHead:
+    """``ray start --head`` with token auth on free ports; returns once the job server answers.
+
+    Args:
+        root: a folder of the caller's; the head's and its clients' HOMEs go under it.
+        num_cpus: CPUs the head offers.
+        pythonpath: PYTHONPATH of the head, which its workers inherit. None (the default):
+            none at all, so user code reaches the cluster only with a job, as on a real one.
+        temp_dir: Ray's temp dir, made here when None. A caller that must know the head's
+            processes from their start (by this marker) makes it first.
+    """
+    ports = free_ports(8)
+    gcs, dashboard = ports[:2]
+    token = secrets.token_hex(16)
+    head = RayHead(
+        gcs_address=f"127.0.0.1:{gcs}",
+        dashboard_url=f"http://127.0.0.1:{dashboard}",
+        token=token,
+        temp_dir=temp_dir or ray_temp_dir("rt-head-"),
+        home=root / "home",
+    )
+    # ray start --head turns token auth on when a token exists; the job server then refuses
+    # requests without it. Jobs run `raytrain` on the head: isolated_env puts this venv's
+    # scripts first on its PATH.
+    head_vars = {"RAY_AUTH_TOKEN": token, "RAY_AUTH_MODE": "token"}
+    if pythonpath:
+        head_vars["PYTHONPATH"] = pythonpath
+    env = isolated_env(head.home / "head", without=("PYTHONPATH",), **head_vars)
+    try:
+        started = subprocess.run(
+            _start_command(ports, num_cpus, head.temp_dir),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_S,
+        )
+        if started.returncode != 0:
+            raise RuntimeError(
+                f"ray start --head failed ({started.returncode}): {started.stderr[-2000:]}"
+            )
+        _wait_for_job_server(head)
+    except BaseException:
+        head.stop()  # whatever it started before failing
+        raise
+    return head
+
+
+def _start_command(ports: list[int], num_cpus: int, temp_dir: str) -> list[str]:
+    gcs, dashboard, node_manager, object_manager, agent_listen, agent_grpc, runtime_env, metrics = (
+        ports
+    )
+    return [
+        str(Path(sys.executable).parent / "ray"),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs}",
+        f"--num-cpus={num_cpus}",
+        f"--temp-dir={temp_dir}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        f"--node-manager-port={node_manager}",
+        f"--object-manager-port={object_manager}",
+        f"--dashboard-agent-listen-port={agent_listen}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--runtime-env-agent-port={runtime_env}",
+        f"--metrics-export-port={metrics}",
+        "--disable-usage-stats",
+        # Worker ports keep Ray's default range: each worker binds a free one in it.
+    ]
+
+
+def _wait_for_job_server(head: RayHead) -> None:
+    """Wait until the dashboard's job API answers an authorised request."""
+    deadline = time.monotonic() + JOB_SERVER_TIMEOUT_S
+    request = urllib.request.Request(
+        f"{head.dashboard_url}/api/jobs/", headers={"Authorization": f"Bearer {head.token}"}
+    )
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=5):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the job server at {head.dashboard_url} did not answer within "
+                    f"{JOB_SERVER_TIMEOUT_S:.0f} s: {exc}"
+                ) from exc
+            time.sleep(0.5)

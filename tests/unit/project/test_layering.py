@@ -1,0 +1,116 @@
+"""The package's rooms import only downward: config → planning → worker / driver → sweep → API.
+
+A worker may run on another machine than the driver and shares with it only the task it
+was sent and the run's storage, so worker code never imports driver code; built-in models
+and datasets import neither. Every import counts, those inside functions too.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+from paths import ROOT
+
+PACKAGE = ROOT / "raytrain_app"
+
+# Room -> the rooms it may import from (besides itself).
+BASE = {"base"}
+ALLOWED = {
+    "base": set(),  # errors, protocol, logging
+    "config": BASE,
+    "workloads": BASE | {"config"},  # built-in data and models, factory loading
+    "planning": BASE | {"config"},
+    "tracking": BASE | {"config"},
+    "checkpoint": BASE | {"config", "workloads"},
+    "worker": BASE | {"config", "workloads", "planning", "tracking", "checkpoint"},
+    "driver": BASE | {"config", "workloads", "planning", "tracking", "checkpoint", "worker"},
+    "sweep": BASE
+    | {"config", "workloads", "planning", "tracking", "checkpoint", "worker", "driver"},
+    "api": {"*"},  # the package's __init__, cli, jobs, predict
+    "testing": {"*"},  # helpers for tests and benchmarks; nothing in the product imports it
+}
+TOP_LEVEL_ROOMS = {
+    "errors": "base",
+    "protocol": "base",
+    "logging_setup": "base",
+    "workloads": "workloads",
+    "__init__": "api",
+    "cli": "api",
+    "jobs": "api",
+    "predict": "api",
+}
+FOLDER_ROOMS = {"data": "workloads", "models": "workloads"}
+
+
+def room_of(module: str) -> str:
+    """The room of a dotted module name inside raytrain_app (``raytrain_app.worker.loop``)."""
+    parts = module.split(".")[1:] or ["__init__"]
+    head = parts[0]
+    if len(parts) == 1 and head in TOP_LEVEL_ROOMS:
+        return TOP_LEVEL_ROOMS[head]
+    if head in FOLDER_ROOMS:
+        return FOLDER_ROOMS[head]
+    if head in ALLOWED:
+        return head
+    raise AssertionError(f"raytrain_app.{'.'.join(parts)} belongs to no room: add it here")
+
+
+def module_name(path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path) -> list[tuple[int, str]]:
+    """Every raytrain_app module ``path`` imports, with its line number."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "raytrain_app":  # from raytrain_app import jobs
+                found += [(node.lineno, f"raytrain_app.{a.name}") for a in node.names]
+            else:
+                found.append((node.lineno, node.module))
+    return [(line, name) for line, name in found if name.split(".")[0] == "raytrain_app"]
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def violations(path, importer: str) -> list[str]:
+    """The imports of ``path`` (the module ``importer``) that go to a room not allowed."""
+    room = room_of(importer)
+    allowed = ALLOWED[room]
+    return [
+        f"line {line}: {importer} ({room}) imports {target} ({room_of(target)})"
+        for line, target in imported_modules(path)
+        if "*" not in allowed and room_of(target) not in allowed | {room}
+    ]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_every_import_goes_to_an_allowed_room(path):
+    assert violations(path, module_name(path)) == []
+
+
+def test_the_check_catches_a_worker_importing_the_driver_inside_a_function(tmp_path):
+    module = tmp_path / "fake.py"
+    module.write_text(
+        "from raytrain_app.config import RaytrainConfig\n"
+        "def f():\n"
+        "    from raytrain_app.driver import training\n"
+    )
+    assert violations(module, "raytrain_app.worker.fake") == [
+        "line 3: raytrain_app.worker.fake (worker) imports raytrain_app.driver (driver)"
+    ]
+
+
+def test_nothing_in_the_product_imports_the_testing_helpers():
+    users = [
+        module_name(path)
+        for path in MODULES
+        if room_of(module_name(path)) != "testing"
+        and any(room_of(t) == "testing" for _, t in imported_modules(path))
+    ]
+    assert users == []
