@@ -166,7 +166,8 @@ def _format_plan(env, plan) -> str:
             f"resources   : {r.cpus:g} CPUs, {r.gpus:g} GPUs, {r.nodes} node(s) ({r.source}){gpu}",
             f"workers     : {plan.world_size} on {plan.device} ({plan.cpus_per_worker:g} CPU"
             + (f", {plan.gpus_per_worker:g} GPU" if plan.use_gpu else "")
-            + " each)",
+            + " each)"
+            + ("" if plan.fits else "; more than can be hosted now (see the warning above)"),
             f"batch       : {plan.per_worker_batch_size} per worker x {plan.world_size} workers x "
             f"{plan.grad_accum_steps} accumulation = {plan.effective_batch_size} effective"
             + (", micro-batch probed on the GPUs at start" if plan.memory_probe else ""),

@@ -8,6 +8,7 @@ anywhere, and identical for built-in and user code.
 from __future__ import annotations
 
 import importlib
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from raytrain_app.config import DataConfig, ModelConfig
 from raytrain_app.errors import BadInputError
 from raytrain_app.protocol import DataSplits, ModelSpec
+from raytrain_app.storage import StorageLocation, is_uri
 
 BUILTIN_MODELS = {
     "wind_transformer": "raytrain_app.models.wind_transformer:build",
@@ -101,7 +103,7 @@ def check_sources(model: ModelConfig, data: DataConfig) -> None:
         import_target(data.target, "data.target")
     elif data.path:
         _check_params(data.params, parquet_windows.WINDOW_PARAMS, "data")
-        parquet_windows.check({"path": str(Path(data.path).expanduser()), **data.params})
+        parquet_windows.check({"path": _data_path(data.path, absolute=False), **data.params})
     else:
         _check_builtin_data(data)
 
@@ -118,12 +120,23 @@ def _check_builtin_data(data: DataConfig) -> None:
     _check_params(data.params, allowed, "data")
 
 
-def prepare_data(data: DataConfig, data_dir: Path, seed: int) -> FactoryRef:
+def _data_path(path: str, absolute: bool) -> str:
+    """``data.path`` as workers get it: a URI as is, a local path with ``~`` expanded (and
+    made absolute: workers may run in another directory)."""
+    if is_uri(path):
+        return path
+    local = Path(path).expanduser()
+    return str(local.absolute() if absolute else local)
+
+
+def prepare_data(data: DataConfig, data_dir: Path | StorageLocation, seed: int) -> FactoryRef:
     """Do the driver-side data work once and return what workers call to load the data.
 
     The synthetic wind dataset is generated here, once, and cached as Parquet in
-    ``data_dir``; workers then read the file like any user Parquet data. The synthetic
-    images are generated in memory by every worker (milliseconds), so they need nothing here.
+    ``data_dir`` (a local folder, or the run's ``data/`` in an object store, which workers
+    on every node read); workers then read the file like any user Parquet data. The
+    synthetic images are generated in memory by every worker (milliseconds), so they need
+    nothing here.
     """
     from raytrain_app.data import parquet_windows, synthetic_wind
 
@@ -131,17 +144,16 @@ def prepare_data(data: DataConfig, data_dir: Path, seed: int) -> FactoryRef:
         return FactoryRef(data.target, dict(data.params), "data.target")
     if data.path:
         _check_params(data.params, parquet_windows.WINDOW_PARAMS, "data")
-        # Workers may run in another directory: hand them the driver's absolute path.
-        path = str(Path(data.path).expanduser().absolute())
+        path = _data_path(data.path, absolute=True)
         return FactoryRef(_PARQUET_FACTORY, {"path": path, **data.params}, "data.path")
     _check_builtin_data(data)
     if data.name != "synthetic_wind":
         return FactoryRef(BUILTIN_DATA[data.name], dict(data.params), "data.name")
     generator = {k: v for k, v in data.params.items() if k in synthetic_wind.GENERATOR_PARAMS}
     windows = {k: v for k, v in data.params.items() if k not in generator}
-    path = synthetic_wind.materialize(data_dir, seed=seed, **{**_generator_defaults(), **generator})
+    path = _materialize(data_dir, seed=seed, **{**_generator_defaults(), **generator})
     params = {
-        "path": str(path),
+        "path": path,
         "feature_columns": list(synthetic_wind.FEATURE_COLUMNS),
         "target_column": synthetic_wind.TARGET_COLUMN,
         "group_column": synthetic_wind.GROUP_COLUMN,
@@ -149,6 +161,21 @@ def prepare_data(data: DataConfig, data_dir: Path, seed: int) -> FactoryRef:
         **windows,
     }
     return FactoryRef(_PARQUET_FACTORY, params, "data.name")
+
+
+def _materialize(data_dir: Path | StorageLocation, **arguments: Any) -> str:
+    """The synthetic wind data's Parquet file in ``data_dir``, written once; its path or URI."""
+    from raytrain_app.data import synthetic_wind
+
+    if isinstance(data_dir, Path) or data_dir.is_local:
+        local = data_dir if isinstance(data_dir, Path) else data_dir.local_path
+        return str(synthetic_wind.materialize(local, **arguments))
+    with tempfile.TemporaryDirectory(prefix="raytrain-data-") as scratch:
+        generated = synthetic_wind.materialize(Path(scratch), **arguments)
+        target = data_dir.child(generated.name)  # named by a hash of the arguments
+        if not target.is_file():
+            target.upload(generated)
+    return target.uri
 
 
 def _generator_defaults() -> dict[str, Any]:

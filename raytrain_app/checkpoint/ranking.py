@@ -9,15 +9,20 @@ it then cannot order.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_app.checkpoint.store import checkpoints_newest_first, read_meta
+from raytrain_app.checkpoint.store import META_FILE, MODEL_FILE, checkpoints_newest_first, read_meta
 from raytrain_app.config import TrainConfig
 from raytrain_app.errors import BadInputError
+from raytrain_app.storage import StorageLocation
+
+# A folder of checkpoints: a local path, or a location in the run's storage.
+Folder = Path | StorageLocation
 
 # The reported key Ray's CheckpointConfig ranks checkpoints by (larger is better).
 SCORE_KEY = "checkpoint_score"
@@ -67,7 +72,7 @@ def check_monitor(monitor: str, step_metrics: Sequence[str]) -> None:
 class BestCheckpoint:
     """The best kept checkpoint of a run and what made it the best."""
 
-    path: Path
+    path: Path | str  # a local path, or the URI of a checkpoint in an object store
     monitor: str
     mode: str
     value: float
@@ -77,18 +82,51 @@ class BestCheckpoint:
         return {"metric": self.monitor, "mode": self.mode, "value": self.value, "epoch": self.epoch}
 
 
-def best_checkpoint(folder: Path, monitor: str, mode: str) -> BestCheckpoint | None:
+def metas_newest_first(folder: Folder) -> Iterator[tuple[Path | str, dict[str, Any] | None]]:
+    """Every checkpoint under ``folder`` (any depth), newest progress first, with its
+    ``meta.json`` (None when unreadable): local paths, or URIs of checkpoints in an object
+    store, whose metadata is read there without downloading any weights."""
+    if isinstance(folder, StorageLocation) and not folder.is_local:
+        yield from _remote_metas_newest_first(folder)
+        return
+    local = folder.local_path if isinstance(folder, StorageLocation) else Path(folder)
+    for directory in checkpoints_newest_first(local):
+        try:
+            yield directory, read_meta(directory)
+        except (OSError, ValueError):
+            yield directory, None
+
+
+def _remote_metas_newest_first(folder: StorageLocation) -> list[tuple[str, dict | None]]:
+    """``metas_newest_first`` in an object store: one listing, then each meta.json; ordered
+    by the (epoch, step) in the metadata, a step written again (``-r1``) after the first."""
+    found = []
+    for item in folder.list_dir(recursive=True, files_only=True):
+        parent = item.path.rsplit("/", 1)[0]
+        if item.name != MODEL_FILE or ".partial" in parent.rsplit("/", 1)[-1]:
+            continue
+        directory = folder.at(parent)
+        try:
+            meta = json.loads(directory.child(META_FILE).read_text())
+            progress = (int(meta["epoch"]), int(meta["step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            meta, progress = None, (-1, -1)
+        found.append((progress, directory.name, directory.uri, meta))
+    found.sort(key=lambda entry: entry[:2], reverse=True)
+    return [(uri, meta) for _, _, uri, meta in found]
+
+
+def best_checkpoint(folder: Folder, monitor: str, mode: str) -> BestCheckpoint | None:
     """The epoch checkpoint under ``folder`` with the best finite ``monitor``; ties: newest.
 
     Reads each checkpoint's ``meta.json`` (its epoch row), so it works on any run
     directory, finished or not. None when no epoch checkpoint has the metric.
     """
     best: BestCheckpoint | None = None
-    for directory in checkpoints_newest_first(folder):
-        try:
-            metrics = read_meta(directory).get("metrics", {})
-        except (OSError, ValueError):
+    for directory, meta in metas_newest_first(folder):
+        if meta is None:
             continue
+        metrics = meta.get("metrics", {})
         score = checkpoint_score(metrics, monitor, mode)
         if score == WORST_SCORE:
             continue
@@ -119,12 +157,12 @@ def check_monitor_on_one_batch(monitor: str, spec: Any, dataset: Any) -> None:
     check_monitor(monitor, names)
 
 
-def best_of_run(folder: Path) -> BestCheckpoint | None:
+def best_of_run(folder: Folder) -> BestCheckpoint | None:
     """``best_checkpoint`` by the monitor and mode the run was trained with (its newest meta)."""
-    for directory in checkpoints_newest_first(folder):
+    for _, meta in metas_newest_first(folder):
         try:
-            train = read_meta(directory)["config"]["train"]
-        except (OSError, ValueError, KeyError, TypeError):
+            train = meta["config"]["train"]
+        except (KeyError, TypeError):
             continue
         return best_checkpoint(folder, train.get("monitor", "val_loss"), train.get("mode", "min"))
     return None

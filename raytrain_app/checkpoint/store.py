@@ -50,6 +50,15 @@ def checkpoint_name(epoch: int, step: int) -> str:
 _NAME_PROGRESS = re.compile(r"checkpoint_epoch(\d+)_step(\d+)(-r\d+)?$")
 
 
+def name_progress(name: str) -> tuple[int, int, int] | None:
+    """(epoch, step, rewrite) of a checkpoint directory's name, None for another name;
+    greater means newer."""
+    match = _NAME_PROGRESS.search(name)
+    if not match:
+        return None
+    return int(match[1]), int(match[2]), int(match[3][2:]) if match[3] else 0
+
+
 class DamagedCheckpointError(BadInputError):
     """A checkpoint's files disagree with its manifest (a torn write or a corrupted file)."""
 

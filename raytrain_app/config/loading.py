@@ -97,6 +97,12 @@ def load_config(
     return config
 
 
+def config_from_yaml(text: str, label: str) -> RaytrainConfig:
+    """Validate a config given as YAML text (a run's ``config.yaml`` read from storage);
+    ``label`` names its source in errors, as ``load_config``'s do."""
+    return _build(_parse_yaml(text, label), (), f", in {label}")
+
+
 def flatten(d: Mapping[Any, Any], prefix: str = "") -> dict[str, Any]:
     """Flatten nested mappings to ``{"a.b.c": value}``; empty mappings stay as leaves."""
     flat: dict[str, Any] = {}

@@ -6,6 +6,7 @@ what to change, so the driver can report it before any cluster starts.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,23 +17,32 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from raytrain_app.errors import BadInputError, first_line
+from raytrain_app.storage import StorageLocation, is_uri
 
 PathLike = str | Path
+# A resolved Parquet file: a local path, or a file in an object store (``s3://...``).
+DataFile = Path | StorageLocation
 
 
-def resolve_paths(path: PathLike | Sequence[PathLike]) -> list[Path]:
-    """Expand a file, directory, glob or sequence of them into a sorted list of Parquet files."""
+def resolve_paths(path: PathLike | Sequence[PathLike]) -> list[DataFile]:
+    """Expand a file, directory, glob or sequence of them into a sorted list of Parquet files.
+
+    Each may be a local path or a URI (``s3://bucket/data/``, ``s3://bucket/data/*.parquet``),
+    whose files are listed through pyarrow's filesystems.
+    """
     items = [path] if isinstance(path, (str, Path)) else list(path)
-    files: list[Path] = []
+    files: list[DataFile] = []
     for item in items:
         item_str = str(item)
-        if glob.has_magic(item_str):
+        if is_uri(item_str):
+            files.extend(_resolve_uri(item_str))
+        elif glob.has_magic(item_str):
             files.extend(Path(p) for p in sorted(glob.glob(item_str, recursive=True)))
         elif Path(item_str).is_dir():
             files.extend(sorted(Path(item_str).rglob("*.parquet")))
         elif Path(item_str).is_file():
             files.append(Path(item_str))
-    files = [f for f in files if f.is_file()]
+    files = [f for f in files if isinstance(f, StorageLocation) or f.is_file()]
     if not files:
         raise BadInputError(
             f"No Parquet files match data path {path!r}; give a file, a directory or a glob "
@@ -41,9 +51,29 @@ def resolve_paths(path: PathLike | Sequence[PathLike]) -> list[Path]:
     return files
 
 
-def _file_schema(file: Path) -> pa.Schema:
+def _resolve_uri(text: str) -> list[StorageLocation]:
+    """The Parquet files a URI names: one file, every ``.parquet`` file under a prefix, or
+    the files matching a glob (``*`` may match across ``/``, as in ``fnmatch``)."""
+    location = StorageLocation.parse(text, "data.path")
+    if not glob.has_magic(location.path):
+        if location.is_file():
+            return [location]
+        files = location.list_dir(recursive=True, files_only=True)
+        return [f for f in files if f.path.endswith(".parquet")]
+    parent = location
+    while glob.has_magic(parent.path) and "/" in parent.path:
+        parent = parent.parent
+    if glob.has_magic(parent.path):  # a pattern in the bucket's name
+        return []
+    files = parent.list_dir(recursive=True, files_only=True)
+    return [f for f in files if fnmatch.fnmatchcase(f.path, location.path)]
+
+
+def _file_schema(file: DataFile) -> pa.Schema:
     """The schema in a Parquet file's footer; a missing or torn footer names the file."""
     try:
+        if isinstance(file, StorageLocation):
+            return pq.read_schema(file.path, filesystem=file.filesystem)
         return pq.read_schema(file)
     except PermissionError:
         raise BadInputError(
@@ -60,7 +90,7 @@ def _file_schema(file: Path) -> pa.Schema:
 
 def check_files(
     path: PathLike | Sequence[PathLike], numeric: Sequence[str], other: Sequence[str] = ()
-) -> list[Path]:
+) -> list[DataFile]:
     """Resolve ``path`` and check every file's footer, columns and column types; read no rows.
 
     Args:
@@ -90,10 +120,14 @@ def check_files(
     return files
 
 
-def read_table(files: list[Path], columns: list[str]) -> pa.Table:
+def read_table(files: list[DataFile], columns: list[str]) -> pa.Table:
     """Read only ``columns`` from ``files`` (already checked by ``check_files``)."""
+    remote = [f for f in files if isinstance(f, StorageLocation)]
+    filesystem = remote[0].filesystem if remote else None
+    paths = [f.path if isinstance(f, StorageLocation) else str(f) for f in files]
     try:
-        return pads.dataset([str(f) for f in files], format="parquet").to_table(columns=columns)
+        dataset = pads.dataset(paths, format="parquet", filesystem=filesystem)
+        return dataset.to_table(columns=columns)
     except (pa.ArrowException, OSError) as exc:
         # a footer can be intact while a page inside the file is not
         raise BadInputError(

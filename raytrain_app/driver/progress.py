@@ -1,69 +1,16 @@
-"""Live progress on the driver: rank 0 pushes, the driver draws a bar.
+"""The progress bar the driver draws from rank 0's snapshots (``run_control`` fetches them).
 
-Rank 0 sends fire-and-forget updates to a zero-CPU actor; a driver thread polls it and
-updates a tqdm bar (``tqdm.auto`` renders as a widget in notebooks). Nothing on the
-training hot path waits for the driver.
+``tqdm.auto`` renders as a widget in notebooks. Nothing on the training hot path waits
+for the driver.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-import ray
 from tqdm.auto import tqdm
 
 _POLL_INTERVAL_S = 0.5
-
-
-@ray.remote(num_cpus=0)
-class ProgressTracker:
-    """Holds the latest progress snapshot pushed by rank 0."""
-
-    def __init__(self) -> None:
-        self._latest: dict[str, Any] = {}
-
-    def update(self, **fields: Any) -> None:
-        self._latest = fields
-
-    def snapshot(self) -> dict[str, Any]:
-        return self._latest
-
-
-class DriverProgress:
-    """Context manager: a tracker actor plus a bar refreshed from it in the background."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.tracker = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> DriverProgress:
-        if self.enabled:
-            self.tracker = ProgressTracker.remote()
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread:
-            self._thread.join(timeout=5)
-        if self.tracker is not None:
-            ray.kill(self.tracker)
-
-    def _poll(self) -> None:
-        bars = EpochBars()
-        try:
-            while not self._stop.wait(_POLL_INTERVAL_S):
-                snap = ray.get(self.tracker.snapshot.remote())
-                if snap:
-                    bars.show(snap)
-        except Exception:
-            pass
-        finally:
-            bars.close()
 
 
 class EpochBars:

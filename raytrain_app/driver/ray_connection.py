@@ -46,7 +46,7 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
                 # measurable start-up time). Its job server runs code, so it binds to
                 # localhost unless the user opts in.
                 ray.init(
-                    num_cpus=int(env.resources.cpus),
+                    num_cpus=int((env.machine or env.resources).cpus),
                     dashboard_host=env.dashboard_host,
                     logging_level=logging.WARNING,
                 )
@@ -77,9 +77,11 @@ def ray_started_here() -> bool:
 
 
 def connected_plan(cfg: RaytrainConfig, address: str | None) -> tuple[Environment, TrainingPlan]:
-    """Plan against a running cluster when one is named, else against this machine."""
+    """The plan ``raytrain plan`` previews: against a running cluster when one is named,
+    else against this SLURM allocation or this machine; any number of workers, with a
+    warning and ``fits`` false where the target cannot host them."""
     env = detect_environment()
     if address or env.ray_address:
         with ray_session(address, env) as cluster_env:
-            return cluster_env, make_plan(cfg, cluster_env)
-    return env, make_plan(cfg, env)
+            return cluster_env, make_plan(cfg, cluster_env, preview=True)
+    return env, make_plan(cfg, env, preview=True)

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raytrain_app.config import ConfigError, RaytrainConfig, diff_configs, load_config, save_config
+from raytrain_app.config import ConfigError, RaytrainConfig, diff_configs, dump_config_yaml
+from raytrain_app.config.loading import config_from_yaml
+from raytrain_app.driver.lease_stores import LEASE_FILE
 from raytrain_app.errors import BadInputError
+from raytrain_app.storage import StorageLocation, is_uri
+
+CONFIG_FILE = "config.yaml"
+SUMMARY_FILE = "summary.json"
+CHECKPOINTS_DIR = "checkpoints"
+DATA_DIR = "data"
 
 # Keys that do not change what is trained, so they may differ when resuming. The number
 # of workers is one of them: the global batch is the user's number and a global step
@@ -29,37 +36,51 @@ _RESUMABLE_DIFFERENCES = (
 
 @dataclass(frozen=True)
 class RunDirectory:
-    """Paths of one run; the directory is shared storage on multi-node clusters."""
+    """One run's files; on multi-node clusters shared storage (a shared filesystem or an
+    object store) that every node sees. Every file goes through ``location``."""
 
-    root: Path
+    location: StorageLocation
 
     @classmethod
     def for_config(cls, cfg: RaytrainConfig) -> RunDirectory:
-        return cls(Path(cfg.experiment.output_dir).expanduser().resolve() / cfg.experiment.name)
+        output = cfg.experiment.output_dir
+        if is_uri(output):
+            base = StorageLocation.parse(output, "experiment.output_dir")
+        else:
+            base = StorageLocation.local(Path(output).expanduser().resolve())
+        return cls(base.child(cfg.experiment.name))
+
+    def at(self, *parts: str) -> StorageLocation:
+        """A file or folder of the run (``at("summary.json")``), wherever the run lives."""
+        return self.location.child(*parts)
+
+    @property
+    def root(self) -> Path:
+        """The run directory as a local path (one on a shared filesystem too).
+
+        Raises:
+            ValueError: the run directory is in an object store (use ``location``).
+        """
+        return self.location.local_path
 
     @property
     def config(self) -> Path:
-        return self.root / "config.yaml"
+        return self.root / CONFIG_FILE
 
     @property
     def summary(self) -> Path:
-        return self.root / "summary.json"
+        return self.root / SUMMARY_FILE
 
     @property
     def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+        return self.root / CHECKPOINTS_DIR
 
     @property
     def data(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def stop_request(self) -> Path:
-        """Created by the driver on a preemption signal; rank 0 polls it between steps."""
-        return self.root / ".stop-requested"
+        return self.root / DATA_DIR
 
     def exists(self) -> bool:
-        return self.config.is_file()
+        return self.at(CONFIG_FILE).is_file()
 
     def check_resumable(self, resolved: RaytrainConfig) -> bool:
         """True if an earlier run with this exact config lives here (resume it).
@@ -69,17 +90,22 @@ class RunDirectory:
         """
         if not self.exists():
             # Only the data cache: a run that failed its checks before it started.
-            if self.root.exists() and any(p != self.data for p in self.root.iterdir()):
+            # The data cache, and the lease of a run that is starting or failed its checks.
+            if any(
+                item.name != DATA_DIR and not item.name.startswith(LEASE_FILE)
+                for item in self.location.list_dir()
+            ):
                 raise BadInputError(
-                    f"run directory '{self.root}' exists but holds no raytrain run "
+                    f"run directory '{self.location}' exists but holds no raytrain run "
                     f"(no config.yaml); choose another experiment.name or experiment.output_dir"
                 )
             return False
+        config = self.at(CONFIG_FILE)
         try:
-            previous = load_config(self.config)
-        except ConfigError as exc:
+            previous = config_from_yaml(config.read_text(), f"config file '{config}'")
+        except (ConfigError, OSError, UnicodeDecodeError) as exc:
             raise BadInputError(
-                f"run directory '{self.root}' has an unreadable config.yaml ({exc}); choose "
+                f"run directory '{self.location}' has an unreadable config.yaml ({exc}); choose "
                 f"another experiment.name"
             ) from None
         changed = diff_configs(previous, resolved, ignore=_RESUMABLE_DIFFERENCES)
@@ -87,19 +113,16 @@ class RunDirectory:
             shown = ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "")
             raise BadInputError(
                 f"experiment.name '{resolved.experiment.name}' already holds a run in "
-                f"'{self.root}' with a different config ({shown}); re-run with the same config "
-                f"to resume it, or set a new experiment.name"
+                f"'{self.location}' with a different config ({shown}); re-run with the same "
+                f"config to resume it, or set a new experiment.name"
             )
         return True
 
     def write_config(self, resolved: RaytrainConfig) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        save_config(resolved, self.config)
+        self.at(CONFIG_FILE).write_text(dump_config_yaml(resolved))
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        tmp = self.summary.with_name("summary.json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2))
-        os.replace(tmp, self.summary)
+        self.at(SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
 
     def read_summary(self) -> dict[str, Any]:
-        return json.loads(self.summary.read_text())
+        return json.loads(self.at(SUMMARY_FILE).read_text())

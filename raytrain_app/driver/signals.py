@@ -7,7 +7,6 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 # The signals that ask a run to checkpoint at the next step and stop: Ctrl-C, SLURM's
@@ -16,9 +15,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM)
 
 
 @contextmanager
-def stop_on_signals(stop_file: Path) -> Iterator[list[str]]:
-    """Any of ``STOP_SIGNALS`` asks the workers to checkpoint at the next step and stop;
-    a second one interrupts at once.
+def stop_on_signals(stop: threading.Event) -> Iterator[list[str]]:
+    """Any of ``STOP_SIGNALS`` sets ``stop`` (the run control passes it on to the workers,
+    which checkpoint at the next step and stop); a second one interrupts at once.
 
     Yields the names of the signals received. Outside the main thread (a notebook's
     worker thread) signals cannot be caught and nothing is installed.
@@ -32,7 +31,9 @@ def stop_on_signals(stop_file: Path) -> Iterator[list[str]]:
         received.append(signal.Signals(signum).name)
         if len(received) > 1:
             raise KeyboardInterrupt
-        stop_file.touch()  # rank 0 polls for it between steps
+        # Only a flag here: a signal handler must not call into Ray, whose calls it may
+        # have interrupted; the run control's thread sends the request.
+        stop.set()
 
     previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
     try:

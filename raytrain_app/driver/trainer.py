@@ -18,11 +18,11 @@ trainer still runs, restarts and stops with them left out.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2._internal import constants as train_constants
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import (
     PlacementGroupCleanerCallback,
@@ -31,9 +31,10 @@ from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPo
 
 from raytrain_app.checkpoint.ranking import checkpoint_retention
 from raytrain_app.config import RaytrainConfig
-from raytrain_app.driver.progress import DriverProgress
+from raytrain_app.driver.run_control import DriverControl
 from raytrain_app.driver.signals import stop_on_signals
-from raytrain_app.planning.environment import training_worker_env_vars
+from raytrain_app.planning.environment import storage_env_vars, training_worker_env_vars
+from raytrain_app.storage import StorageLocation
 from raytrain_app.worker.loop import WorkerTask, train_worker
 
 
@@ -65,7 +66,15 @@ class RaytrainTorchTrainer(TorchTrainer):
             controller_init_kwargs["scaling_policy"] = _FixedScalingWithoutAutoscaler(
                 self.scaling_config
             )
-        return super()._initialize_and_run_controller(**controller_init_kwargs)
+        # The controller reads and writes the run's storage too (Ray's validation file, its
+        # checkpoint bookkeeping): it gets the driver's AWS_* variables the way Ray Train
+        # passes its own settings to it (the workers get them in worker_runtime_env).
+        added = set(storage_env_vars()) - train_constants.ENV_VARS_TO_PROPAGATE
+        train_constants.ENV_VARS_TO_PROPAGATE.update(added)
+        try:
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+        finally:
+            train_constants.ENV_VARS_TO_PROPAGATE.difference_update(added)
 
 
 class _FixedScalingWithoutAutoscaler(FixedScalingPolicy):
@@ -85,21 +94,26 @@ class _FixedScalingWithoutAutoscaler(FixedScalingPolicy):
 def run_trainer(
     task: WorkerTask,
     cfg: RaytrainConfig,
-    checkpoints: Path,
-    stop_file: Path,
+    checkpoints: StorageLocation,
     progress: bool,
     embedded_ray: bool,
 ) -> tuple[ray.train.Result, str | None]:
-    """Run the TorchTrainer; returns its result and the stop signal received, if any."""
+    """Run the TorchTrainer; returns its result and the stop signal received, if any.
+
+    ``checkpoints`` is where Ray Train keeps the run's checkpoints (the run directory's
+    ``checkpoints/``: a local or shared path, or an object store).
+    """
     plan = task.plan
     run_config = ray.train.RunConfig(
         name=cfg.experiment.name,
-        storage_path=str(checkpoints),
+        storage_path=checkpoints.path,
+        storage_filesystem=None if checkpoints.is_local else checkpoints.filesystem,
         failure_config=ray.train.FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
         checkpoint_config=ray.train.CheckpointConfig(**checkpoint_retention(cfg.train)),
         # Ray Train's per-report INFO lines would drown raytrain's own epoch lines.
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-        worker_runtime_env={"env_vars": training_worker_env_vars()},
+        # Workers on other nodes reach an object store with the driver's AWS_* settings.
+        worker_runtime_env={"env_vars": {**training_worker_env_vars(), **storage_env_vars()}},
     )
     scaling = ray.train.ScalingConfig(
         num_workers=plan.world_size,
@@ -109,10 +123,8 @@ def run_trainer(
             **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
         },
     )
-    stop_file.unlink(missing_ok=True)  # a request the previous run never got to honour
-    task.stop_file = str(stop_file)
-    with DriverProgress(enabled=progress) as bar, stop_on_signals(stop_file) as received:
-        task.progress = bar.tracker
+    with DriverControl(progress) as control, stop_on_signals(control.stop) as received:
+        task.control, task.show_progress = control.actor, progress
         trainer = RaytrainTorchTrainer(
             _train_loop_entry,
             train_loop_config={"task": task},
@@ -122,7 +134,6 @@ def run_trainer(
             embedded_ray=embedded_ray,
         )
         result = trainer.fit()
-    stop_file.unlink(missing_ok=True)
     return result, received[0] if received else None
 
 

@@ -8,6 +8,7 @@ bad input fails fast with exit code 2, then runs a ``TorchTrainer`` whose worker
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +22,19 @@ from raytrain_app.config import RaytrainConfig, config_to_dict
 from raytrain_app.driver.failures import user_facing_error
 from raytrain_app.driver.ray_connection import ray_session
 from raytrain_app.driver.run_directory import RunDirectory
+from raytrain_app.driver.run_lease import hold_run_lease
+from raytrain_app.driver.shared_storage import check_shared
 from raytrain_app.driver.trainer import run_trainer
 from raytrain_app.errors import BadInputError, RunStoppedError, first_line
-from raytrain_app.planning.environment import apply_ray_train_defaults, detect_environment
+from raytrain_app.planning.environment import (
+    Environment,
+    apply_ray_train_defaults,
+    detect_environment,
+)
 from raytrain_app.planning.rules import TrainingPlan, make_plan, resolve_config, steps_per_epoch
-from raytrain_app.tracking.loss_plot import write_loss_plot
-from raytrain_app.tracking.metrics_log import read_metrics
+from raytrain_app.storage import StorageLocation, is_uri
+from raytrain_app.tracking.loss_plot import LOSS_PLOT_FILE, write_loss_plot
+from raytrain_app.tracking.metrics_log import METRICS_FILE, read_metrics_text
 from raytrain_app.tracking.trackers import check_tracking_installed
 from raytrain_app.worker.loop import WorkerTask
 from raytrain_app.workloads import (
@@ -43,22 +51,29 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    """What ``train`` returns: where the run lives and how it ended."""
+    """What ``train`` returns: where the run lives and how it ended.
 
-    run_dir: Path
+    Paths are local ``Path``s, or URI strings for a run directory in an object store.
+    """
+
+    run_dir: Path | str
     summary: dict[str, Any]
     metrics: list[dict[str, float]] = field(default_factory=list)
 
     @property
-    def checkpoint(self) -> Path:
+    def checkpoint(self) -> Path | str:
         """The newest checkpoint (what a resume continues from)."""
-        return Path(self.summary["checkpoint"])
+        return _path_or_uri(self.summary["checkpoint"])
 
     @property
-    def best_checkpoint(self) -> Path | None:
+    def best_checkpoint(self) -> Path | str | None:
         """The best checkpoint by train.monitor / train.mode (what inference should use)."""
         best = self.summary.get("best_checkpoint")
-        return Path(best) if best else None
+        return _path_or_uri(best) if best else None
+
+
+def _path_or_uri(text: str) -> Path | str:
+    return text if is_uri(text) else Path(text)
 
 
 def preflight(cfg: RaytrainConfig, run_dir: RunDirectory, plan: TrainingPlan) -> FactoryRef:
@@ -67,7 +82,7 @@ def preflight(cfg: RaytrainConfig, run_dir: RunDirectory, plan: TrainingPlan) ->
     Catches a broken workload (bad params, failing import, too little data) before any
     worker starts, as a one-line BadInputError instead of retried worker failures.
     """
-    data_ref = prepare_data(cfg.data, run_dir.data, cfg.experiment.seed)
+    data_ref = prepare_data(cfg.data, run_dir.at("data"), cfg.experiment.seed)
     splits = _checked("data", build_data, data_ref, cfg.experiment.seed)
     spec = _checked("model", build_model, model_factory(cfg.model), dict(splits.info))
     if plan.gradient_checkpointing and not callable(
@@ -95,7 +110,9 @@ def _checked(section: str, factory: Any, *args: Any) -> Any:
         ) from exc
 
 
-def _summary(result: ray.train.Result, plan: TrainingPlan, wall: float) -> dict[str, Any]:
+def _summary(
+    result: ray.train.Result, plan: TrainingPlan, wall: float, checkpoints: StorageLocation
+) -> dict[str, Any]:
     returned = result.return_value or {}
     history = returned.get("history", [])
     total_samples = sum(row["samples_per_s"] * row["epoch_time_s"] for row in history)
@@ -115,14 +132,21 @@ def _summary(result: ray.train.Result, plan: TrainingPlan, wall: float) -> dict[
         "lr": plan.lr,
         "wall_time_s": round(wall, 3),
         "samples_per_s": total_samples / train_time if train_time else 0.0,
-        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "checkpoint": _checkpoint_uri(checkpoints, result.checkpoint),
         "worker_nodes": returned.get("worker_nodes", []),
     }
 
 
+def _checkpoint_uri(checkpoints: StorageLocation, checkpoint: Any) -> str | None:
+    """Where Ray put ``checkpoint`` (a path in the storage filesystem), as users name it."""
+    if checkpoint is None:
+        return None
+    return checkpoint.path if checkpoints.is_local else checkpoints.at(checkpoint.path).uri
+
+
 def _best_summary(run_dir: RunDirectory, cfg: RaytrainConfig) -> dict[str, Any]:
     """``best_checkpoint`` and its monitored value (``best_metric``) for summary.json."""
-    best = best_checkpoint(run_dir.checkpoints, cfg.train.monitor, cfg.train.mode)
+    best = best_checkpoint(run_dir.at("checkpoints"), cfg.train.monitor, cfg.train.mode)
     return {
         "best_checkpoint": str(best.path) if best else None,
         "best_metric": best.to_summary() if best else None,
@@ -150,33 +174,18 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
         plan = make_plan(cfg, cluster_env)
         resolved = resolve_config(cfg, plan)
         run_dir = RunDirectory.for_config(resolved)
+        if run_dir.location.is_local:  # an object store is the same store on every node
+            check_shared(run_dir.location.local_path.parent, resolved.experiment.output_dir)
         resuming = run_dir.check_resumable(resolved)
-        data_ref = preflight(resolved, run_dir, plan)
-        run_dir.write_config(resolved)
-        logger.info("%s run in %s", "resuming" if resuming else "starting", run_dir.root)
-        task = WorkerTask(
-            config=config_to_dict(resolved),
-            plan=plan,
-            data=data_ref,
-            model=model_factory(resolved.model),
-            run_dir=str(run_dir.root),
-        )
-        try:
-            result, stop_signal = run_trainer(
-                task,
-                resolved,
-                run_dir.checkpoints,
-                run_dir.stop_request,
-                progress,
-                cluster_env.embedded_ray,
-            )
-        except ray.train.TrainingFailedError as exc:
-            raise user_facing_error(exc, plan.timeout_s) from exc
-    summary = _summary(result, plan, time.perf_counter() - start)
-    summary.update(_best_summary(run_dir, resolved))
-    run_dir.write_summary(summary)
-    if resolved.tracking.loss_plot:
-        write_loss_plot(run_dir.root, read_metrics(run_dir.root))
+        # One writer at a time; a second train or tune of this directory exits 2 here.
+        with hold_run_lease(run_dir.location.uri, "train"):
+            result, stop_signal = _run(resolved, run_dir, plan, resuming, cluster_env, progress)
+            summary = _summary(result, plan, time.perf_counter() - start, run_dir.at("checkpoints"))
+            summary.update(_best_summary(run_dir, resolved))
+            run_dir.write_summary(summary)
+            metrics = _read_metrics(run_dir)
+            if resolved.tracking.loss_plot:
+                _write_loss_plot(run_dir, metrics)
     if summary["status"] == "stopped":
         raise RunStoppedError(
             f"stopped on request ({stop_signal}) after {summary['epochs_completed']} complete "
@@ -184,4 +193,49 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
             f"again to resume",
             interrupted=stop_signal == "SIGINT",
         )
-    return TrainResult(run_dir=run_dir.root, summary=summary, metrics=read_metrics(run_dir.root))
+    run_path = run_dir.root if run_dir.location.is_local else run_dir.location.uri
+    return TrainResult(run_dir=run_path, summary=summary, metrics=metrics)
+
+
+def _run(
+    resolved: RaytrainConfig,
+    run_dir: RunDirectory,
+    plan: TrainingPlan,
+    resuming: bool,
+    cluster_env: Environment,
+    progress: bool,
+) -> tuple[ray.train.Result, str | None]:
+    """Check the workload on the driver, write config.yaml, run the TorchTrainer."""
+    data_ref = preflight(resolved, run_dir, plan)
+    run_dir.write_config(resolved)
+    logger.info("%s run in %s", "resuming" if resuming else "starting", run_dir.location)
+    task = WorkerTask(
+        config=config_to_dict(resolved),
+        plan=plan,
+        data=data_ref,
+        model=model_factory(resolved.model),
+        run_dir=run_dir.location.uri,
+    )
+    try:
+        return run_trainer(
+            task, resolved, run_dir.at("checkpoints"), progress, cluster_env.embedded_ray
+        )
+    except ray.train.TrainingFailedError as exc:
+        raise user_facing_error(exc, plan.timeout_s) from exc
+
+
+def _read_metrics(run_dir: RunDirectory) -> list[dict[str, float]]:
+    """The rows of the run's ``metrics.csv``, wherever it lives; [] when absent."""
+    metrics = run_dir.at(METRICS_FILE)
+    return read_metrics_text(metrics.read_text()) if metrics.is_file() else []
+
+
+def _write_loss_plot(run_dir: RunDirectory, metrics: list[dict[str, float]]) -> None:
+    """Draw ``loss.png`` locally; for a run in an object store, upload it there."""
+    if run_dir.location.is_local:
+        write_loss_plot(run_dir.root, metrics)
+        return
+    with tempfile.TemporaryDirectory(prefix="raytrain-plot-") as scratch:
+        drawn = write_loss_plot(Path(scratch), metrics)
+        if drawn is not None:
+            run_dir.at(LOSS_PLOT_FILE).upload(drawn)

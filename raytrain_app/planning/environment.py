@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -56,6 +57,8 @@ class SlurmInfo:
     ntasks: int
     cpus_per_task: int | None
     gpus_per_node: int | None
+    # Each allocated node's CPUs (SLURM_JOB_CPUS_PER_NODE, e.g. "2(x2)" -> (2, 2)).
+    cpus_per_node: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,14 @@ class TorchrunInfo:
 
 @dataclass(frozen=True)
 class Resources:
-    """What the Ray cluster (or, before Ray is up, this machine) offers."""
+    """What the target offers: the Ray cluster, the SLURM allocation, or this machine."""
 
     cpus: float
     gpus: float
     nodes: int
-    source: str  # "ray cluster" or "this machine"
+    source: str  # "ray cluster", "SLURM allocation" or "this machine"
+    # Each node's CPUs where known: a worker cannot span two nodes.
+    node_cpus: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ class Environment:
     torch_version: str
     launcher: str  # "slurm", "torchrun" or "local"
     ray_address: str | None
-    resources: Resources
+    resources: Resources  # what the plan is made against
     gpu: GpuInfo | None = None
     slurm: SlurmInfo | None = None
     torchrun: TorchrunInfo | None = None
@@ -94,6 +99,8 @@ class Environment:
     dashboard_host: str = LOCAL_DASHBOARD_HOST
     # This process started the Ray it uses (``driver.ray_session``): it ends with it.
     embedded_ray: bool = False
+    # This machine alone, which a Ray started here gets; None: the same as ``resources``.
+    machine: Resources | None = None
 
     def with_resources(self, resources: Resources, gpu: GpuInfo | None = None) -> Environment:
         """Return a copy with the cluster's resources (and its GPU model, if known)."""
@@ -116,6 +123,18 @@ def _gpus_from_slurm(env: Mapping[str, str]) -> int | None:
     return _int_or_none(per_node.rsplit(":", 1)[-1]) if per_node else None
 
 
+def parse_slurm_counts(text: str | None) -> tuple[int, ...]:
+    """One count per node from SLURM's compressed form: ``"72(x2),36"`` -> (72, 72, 36);
+    () when absent or unreadable."""
+    counts: list[int] = []
+    for part in (text or "").split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            return ()
+        counts += [int(match[1])] * int(match[2] or 1)
+    return tuple(counts)
+
+
 def detect_slurm(env: Mapping[str, str]) -> SlurmInfo | None:
     """The SLURM allocation, or None outside SLURM."""
     job_id = env.get("SLURM_JOB_ID")
@@ -127,6 +146,26 @@ def detect_slurm(env: Mapping[str, str]) -> SlurmInfo | None:
         ntasks=_int_or_none(env.get("SLURM_NTASKS")) or 1,
         cpus_per_task=_int_or_none(env.get("SLURM_CPUS_PER_TASK")),
         gpus_per_node=_gpus_from_slurm(env),
+        cpus_per_node=parse_slurm_counts(env.get("SLURM_JOB_CPUS_PER_NODE")),
+    )
+
+
+def allocation_resources(slurm: SlurmInfo, machine: Resources) -> Resources:
+    """Every allocated node's CPUs and GPUs: what Ray started on each node of the job
+    (the sbatch script) will offer. Without SLURM's per-node counts, each node is assumed
+    to hold this node's share: its tasks' CPUs, or this machine's."""
+    per_node = slurm.cpus_per_node
+    if not per_node:
+        tasks_per_node = -(-slurm.ntasks // slurm.num_nodes)
+        cpus = slurm.cpus_per_task * tasks_per_node if slurm.cpus_per_task else machine.cpus
+        per_node = (int(cpus),) * slurm.num_nodes
+    gpus = slurm.gpus_per_node if slurm.gpus_per_node is not None else machine.gpus
+    return Resources(
+        cpus=float(sum(per_node)),
+        gpus=float(gpus * len(per_node)),
+        nodes=len(per_node),
+        source="SLURM allocation",
+        node_cpus=tuple(float(c) for c in per_node),
     )
 
 
@@ -170,12 +209,14 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
     torchrun = detect_torchrun(env)
     gpu = local_gpu()
     launcher = "slurm" if slurm else "torchrun" if torchrun else "local"
-    resources = Resources(
+    machine = Resources(
         cpus=float(local_cpus(slurm)),
         gpus=float(torch.cuda.device_count() if gpu else 0),
         nodes=1,
         source="this machine",
     )
+    # Inside a SLURM job, plan against the whole allocation: Ray spans all of its nodes.
+    resources = allocation_resources(slurm, machine) if slurm else machine
     return Environment(
         platform=f"{platform.system()} {platform.machine()}",
         python=sys.version.split()[0],
@@ -187,6 +228,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
         slurm=slurm,
         torchrun=torchrun,
         dashboard_host=env.get("RAYTRAIN_DASHBOARD_HOST") or LOCAL_DASHBOARD_HOST,
+        machine=machine,
     )
 
 
@@ -199,12 +241,13 @@ def ray_cluster_resources() -> tuple[Resources, GpuInfo | None]:
     import ray
 
     total = ray.cluster_resources()
-    nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    alive = [node for node in ray.nodes() if node.get("Alive")]
     resources = Resources(
         cpus=float(total.get("CPU", 0)),
         gpus=float(total.get("GPU", 0)),
-        nodes=nodes,
+        nodes=len(alive),
         source="ray cluster",
+        node_cpus=tuple(float(node["Resources"].get("CPU", 0)) for node in alive),
     )
     gpu = local_gpu()
     if resources.gpus and gpu is None:
@@ -272,3 +315,13 @@ def training_worker_env_vars() -> dict[str, str]:
     from ray._private.ray_constants import RAY_WORKER_NICENESS  # Ray's own (lower-case) name
 
     return {RAY_WORKER_NICENESS: os.environ.get(RAY_WORKER_NICENESS, "0")}
+
+
+def storage_env_vars() -> dict[str, str]:
+    """The standard AWS variables set in this (driver) process, for workers and Tune trials.
+
+    On a running cluster, workers do not see the driver's environment, yet they read and
+    write the run's storage (an S3 endpoint and its credentials, which pyarrow reads from
+    these variables). Only the variables that are set travel, through Ray's runtime env.
+    """
+    return {name: value for name, value in os.environ.items() if name.startswith("AWS_")}

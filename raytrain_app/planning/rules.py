@@ -75,6 +75,8 @@ class TrainingPlan:
     monitor: str
     monitor_mode: str
     tracking: tuple[str, ...]  # outputs besides metrics.csv (tensorboard, mlflow, ...)
+    # Whether the target (machine, SLURM allocation, Ray cluster) can host the workers now.
+    fits: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,10 +119,11 @@ def plan_batch(global_batch: int, world_size: int, max_per_worker: int | None) -
 
 
 def available_devices(env: Environment, use_gpu: bool, cpus_per_worker: float) -> int:
-    """How many workers the resources can host."""
+    """How many workers the resources can host (a worker never spans two nodes)."""
     if use_gpu:
         return int(env.resources.gpus)
-    return max(1, int(env.resources.cpus // cpus_per_worker))
+    per_node = env.resources.node_cpus or (env.resources.cpus,)
+    return max(1, sum(int(cpus // cpus_per_worker) for cpus in per_node))
 
 
 def choose_world_size(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> int:
@@ -135,31 +138,39 @@ def choose_world_size(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> i
             )
         return 1
     if requested != "auto":
-        if requested > devices:
-            unit = "GPUs" if use_gpu else f"CPUs at {cfg.scaling.cpus_per_worker:g} per worker"
-            if env.resources.source == "this machine":
-                raise PlanError(
-                    f"scaling.num_workers={requested} needs more than the {devices} workers "
-                    f"this machine can host ({unit}); lower scaling.num_workers or pass "
-                    f"--address of a larger Ray cluster"
-                )
-            if env.slurm is not None:  # a SLURM allocation never grows
-                raise PlanError(
-                    f"scaling.num_workers={requested} needs more than the {devices} workers "
-                    f"this SLURM allocation can host ({unit}); lower scaling.num_workers or "
-                    f"request more (sbatch --nodes, --gpus-per-node, --cpus-per-task)"
-                )
-            # A cluster with an autoscaler may still grow; without one, Ray waits for it.
-            logger.warning(
-                "scaling.num_workers=%d is more than the %d workers the cluster can host now "
-                "(%s); training starts once the cluster has grown",
-                requested,
-                devices,
-                unit,
-            )
         return requested
     global_batch = cfg.train.global_batch_size
     return max(w for w in range(1, max(devices, 1) + 1) if global_batch % w == 0)
+
+
+def hosting_problem(
+    cfg: RaytrainConfig, env: Environment, use_gpu: bool, world_size: int
+) -> tuple[str, bool] | None:
+    """Why the target cannot host ``world_size`` workers, and whether that refuses the run:
+    a machine or a SLURM allocation never grows; a Ray cluster may (an autoscaler), and Ray
+    then waits for it. None when they fit."""
+    devices = available_devices(env, use_gpu, cfg.scaling.cpus_per_worker)
+    if world_size <= devices:
+        return None
+    unit = "GPUs" if use_gpu else f"CPUs at {cfg.scaling.cpus_per_worker:g} per worker"
+    needs = f"scaling.num_workers={world_size} needs more than the {devices} workers"
+    if env.resources.source == "this machine":
+        return (
+            f"{needs} this machine can host ({unit}); lower scaling.num_workers or pass "
+            f"--address of a larger Ray cluster",
+            True,
+        )
+    if env.slurm is not None:
+        return (
+            f"{needs} this SLURM allocation can host ({unit}); lower scaling.num_workers or "
+            f"request more (sbatch --nodes, --gpus-per-node, --cpus-per-task)",
+            True,
+        )
+    return (
+        f"scaling.num_workers={world_size} is more than the {devices} workers the cluster can "
+        f"host now ({unit}); training starts once the cluster has grown",
+        False,
+    )
 
 
 def choose_use_gpu(cfg: RaytrainConfig, env: Environment) -> bool:
@@ -317,11 +328,22 @@ def enabled_outputs(cfg: RaytrainConfig) -> list[str]:
     return [name for name, on in names.items() if on] + (["loss.png"] if t.loss_plot else [])
 
 
-def make_plan(cfg: RaytrainConfig, env: Environment) -> TrainingPlan:
-    """Resolve every ``auto`` of ``cfg`` against ``env``."""
+def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> TrainingPlan:
+    """Resolve every ``auto`` of ``cfg`` against ``env``.
+
+    Args:
+        preview: plan any number of workers, with a warning (and ``fits`` false) where the
+            target cannot host them, as ``raytrain plan`` does; otherwise that is an error.
+    """
     use_gpu = choose_use_gpu(cfg, env)
     strategy = choose_strategy(cfg.distributed.strategy, use_gpu)
     world_size = choose_world_size(cfg, env, use_gpu)
+    problem = hosting_problem(cfg, env, use_gpu, world_size)
+    if problem is not None:
+        message, refused = problem
+        if refused and not preview:
+            raise PlanError(message)
+        logger.warning("%s", message)
     cap = cfg.train.max_batch_per_worker
     batch = plan_batch(cfg.train.global_batch_size, world_size, None if cap == "auto" else cap)
     precision, grad_scaler = choose_precision(cfg.precision, use_gpu, env.gpu)
@@ -372,6 +394,7 @@ def make_plan(cfg: RaytrainConfig, env: Environment) -> TrainingPlan:
         monitor=cfg.train.monitor,
         monitor_mode=cfg.train.mode,
         tracking=tuple(enabled_outputs(cfg)),
+        fits=problem is None,
     )
 
 

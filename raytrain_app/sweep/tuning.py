@@ -14,6 +14,7 @@ import gc
 import importlib.util
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -31,13 +32,21 @@ from raytrain_app.config import (
     config_from_dict,
     config_to_dict,
     config_with_values,
-    save_config,
+    dump_config_yaml,
 )
 from raytrain_app.driver.run_directory import RunDirectory
+from raytrain_app.driver.run_lease import hold_run_lease
+from raytrain_app.driver.shared_storage import check_shared
 from raytrain_app.driver.training import ray_session
 from raytrain_app.errors import RunFailedError
-from raytrain_app.planning.environment import Environment, Resources, detect_environment
+from raytrain_app.planning.environment import (
+    Environment,
+    Resources,
+    detect_environment,
+    storage_env_vars,
+)
 from raytrain_app.planning.rules import available_devices, choose_use_gpu, make_plan, resolve_config
+from raytrain_app.storage import StorageLocation
 from raytrain_app.sweep.search_space import build_search_space, trial_config
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
 from raytrain_app.worker.session import TuneTrialSession
@@ -52,12 +61,15 @@ _EXPERIMENT_DIR = "tune"
 
 @dataclass
 class TuneResult:
-    """What ``tune`` returns: the trials table and the best trial as a train config."""
+    """What ``tune`` returns: the trials table and the best trial as a train config.
 
-    run_dir: Path
+    Paths are local ``Path``s, or URI strings for a run directory in an object store.
+    """
+
+    run_dir: Path | str
     trials: pd.DataFrame
     best_config: RaytrainConfig
-    best_config_path: Path
+    best_config_path: Path | str
     best_metrics: dict[str, Any]
 
 
@@ -86,13 +98,22 @@ def trial_environment(env: Environment, cfg: RaytrainConfig, use_gpu: bool) -> E
 
 
 def run_trial(
-    sampled: dict[str, Any], *, base: dict, env: Environment, use_gpu: bool, run_dir: str
+    sampled: dict[str, Any],
+    *,
+    base: dict,
+    env: Environment,
+    use_gpu: bool,
+    run_dir: str,
+    storage_env: dict[str, str],
 ) -> None:
     """The Tune trainable: build the trial's config and plan, run the worker loop.
 
     Tune reuses a trial's process for later trials (``reuse_actors``): nothing here or in
     the loop keeps state between trials (threads, seeds and logging are set per trial).
+    ``storage_env`` is the driver's AWS_* variables: a trial on a running cluster does not
+    see the driver's environment, and reads and writes the run's storage with them.
     """
+    os.environ.update(storage_env)
     # The previous trial's loop holds reference cycles (its lr schedule refers back to it),
     # so only the collector frees its model, optimizer and data: do it before building more.
     gc.collect()
@@ -100,15 +121,15 @@ def run_trial(
         sys.modules["torch._dynamo"].reset()
     cfg = single_worker(trial_config(config_from_dict(base), sampled))
     plan = make_plan(cfg, trial_environment(env, cfg, use_gpu))
-    trial_dir = Path(run_dir) / "trials" / tune.get_context().get_trial_id()
-    trial_dir.mkdir(parents=True, exist_ok=True)
+    run = StorageLocation.parse(run_dir, "experiment.output_dir")
+    trial_dir = run.child("trials", tune.get_context().get_trial_id())
     task = WorkerTask(
         config=config_to_dict(resolve_config(cfg, plan)),
         plan=plan,
         # Cached and written atomically, so concurrent trials generate the data once.
-        data=prepare_data(cfg.data, Path(run_dir) / "data", cfg.experiment.seed),
+        data=prepare_data(cfg.data, run.child("data"), cfg.experiment.seed),
         model=model_factory(cfg.model),
-        run_dir=str(trial_dir),
+        run_dir=trial_dir.uri,
         # Tune's trial table shows progress; per-epoch lines from every trial would bury it.
         log_level=logging.WARNING,
     )
@@ -169,15 +190,27 @@ def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environ
         resources["gpu"] = 1
     trainable = tune.with_resources(
         tune.with_parameters(
-            run_trial, base=config_to_dict(cfg), env=env, use_gpu=use_gpu, run_dir=str(run_dir.root)
+            run_trial,
+            base=config_to_dict(cfg),
+            env=env,
+            use_gpu=use_gpu,
+            run_dir=run_dir.location.uri,
+            storage_env=storage_env_vars(),
         ),
         resources,
     )
-    path = run_dir.root / _EXPERIMENT_DIR
-    if tune.Tuner.can_restore(path):
+    # Ray's own storage: a path in the filesystem, and the filesystem unless it is local.
+    filesystem = None if run_dir.location.is_local else run_dir.location.filesystem
+    path = run_dir.at(_EXPERIMENT_DIR)
+    if tune.Tuner.can_restore(path.path, storage_filesystem=filesystem):
         logger.info("resuming the sweep in %s", path)
         return tune.Tuner.restore(
-            str(path), trainable, resume_unfinished=True, resume_errored=False, param_space=space
+            path.path,
+            trainable,
+            resume_unfinished=True,
+            resume_errored=False,
+            param_space=space,
+            storage_filesystem=filesystem,
         )
     concurrency = cfg.tune.max_concurrent_trials or available_devices(
         env, use_gpu, cfg.scaling.cpus_per_worker
@@ -195,7 +228,8 @@ def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environ
     )
     run_config = tune.RunConfig(
         name=_EXPERIMENT_DIR,
-        storage_path=str(run_dir.root),
+        storage_path=run_dir.location.path,
+        storage_filesystem=filesystem,
         failure_config=tune.FailureConfig(max_failures=cfg.tune.max_failures),
         checkpoint_config=tune.CheckpointConfig(**checkpoint_retention(cfg.train)),
     )
@@ -273,12 +307,28 @@ def tune_sweep(cfg: RaytrainConfig, *, address: str | None = None) -> TuneResult
     space = _check_sweep(cfg, env)
     run_dir = RunDirectory.for_config(cfg)
     run_dir.check_resumable(cfg)
+    # One writer at a time; a second train or tune of this directory exits 2 here.
+    with hold_run_lease(run_dir.location.uri, "tune"):
+        return _sweep(cfg, space, run_dir, env, address)
+
+
+def _sweep(
+    cfg: RaytrainConfig,
+    space: dict[str, Any],
+    run_dir: RunDirectory,
+    env: Environment,
+    address: str | None,
+) -> TuneResult:
+    """Run the sweep on Ray, then write trials.csv and best_config.yaml."""
     with ray_session(address, env) as cluster_env:
+        if run_dir.location.is_local:  # trials on other nodes write there too
+            check_shared(run_dir.location.local_path.parent, cfg.experiment.output_dir)
         run_dir.write_config(cfg)
         grid, interrupted = _fit_noting_interrupt(_tuner(cfg, space, run_dir, cluster_env))
     keys = list(space)
     trials = pd.DataFrame([_trial_row(r, keys, cfg, interrupted) for r in grid])
-    trials.to_csv(run_dir.root / TRIALS_FILE, index=False)
+    trials_file = run_dir.at(TRIALS_FILE)
+    trials_file.write_text(trials.to_csv(index=False))
     if interrupted:
         raise KeyboardInterrupt
     finite = [
@@ -289,17 +339,19 @@ def tune_sweep(cfg: RaytrainConfig, *, address: str | None = None) -> TuneResult
     if not finite:
         raise RunFailedError(
             f"all {len(grid)} trials failed or reported no {cfg.tune.metric}; see "
-            f"{run_dir.root / TRIALS_FILE} for each trial's error"
+            f"{trials_file} for each trial's error"
         )
     best = grid.get_best_result(
         metric=cfg.tune.metric, mode=cfg.tune.mode, scope="last", filter_nan_and_inf=True
     )
     best_config = _best_config(cfg, {k: best.config[k] for k in keys})
-    best_path = save_config(best_config, run_dir.root / BEST_CONFIG_FILE)
+    best_file = run_dir.at(BEST_CONFIG_FILE)
+    best_file.write_text(dump_config_yaml(best_config))
+    local = run_dir.location.is_local
     return TuneResult(
-        run_dir=run_dir.root,
+        run_dir=run_dir.root if local else run_dir.location.uri,
         trials=trials,
         best_config=best_config,
-        best_config_path=best_path,
+        best_config_path=best_file.local_path if local else best_file.uri,
         best_metrics=dict(best.metrics),
     )

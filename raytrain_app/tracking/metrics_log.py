@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,8 +17,12 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    with path.open(newline="") as handle:
-        rows = list(csv.DictReader(handle))
+    return read_metrics_text(path.read_text())
+
+
+def read_metrics_text(text: str) -> list[dict[str, float]]:
+    """The rows of a ``metrics.csv`` given as text (read from the run's storage)."""
+    rows = list(csv.DictReader(io.StringIO(text, newline="")))
     return [
         {k: (int(v) if k in ("epoch", "step") else float(v)) for k, v in row.items() if v != ""}
         for row in rows

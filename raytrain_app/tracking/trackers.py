@@ -22,7 +22,7 @@ from raytrain_app.tracking.wandb_tracker import WandbTracker
 
 logger = logging.getLogger(__name__)
 
-_IDS_FILE = ".tracking.json"  # MLflow / W&B run ids, so a resume continues the same run
+IDS_FILE = ".tracking.json"  # MLflow / W&B run ids, so a resume continues the same run
 
 
 # backend key -> (module to import, pip extra that installs it)
@@ -75,7 +75,7 @@ def open_tracker(cfg: RaytrainConfig, run_dir: Path, resumed_step: int, rank_zer
     if not rank_zero or not (t.tensorboard or t.mlflow or t.wandb):
         return Tracker()
     run_dir = Path(run_dir)
-    ids_path = run_dir / _IDS_FILE
+    ids_path = run_dir / IDS_FILE
     ids = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
     params = config_to_dict(cfg)
     backends = {

@@ -27,6 +27,7 @@ from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_loggin
 from raytrain_app.planning.rules import TrainingPlan, steps_per_epoch
 from raytrain_app.protocol import ModelSpec
 from raytrain_app.tracking.metrics_log import MetricsLog
+from raytrain_app.tracking.run_files import RankZeroFiles
 from raytrain_app.tracking.trackers import Tracker, open_tracker
 from raytrain_app.worker.global_metrics import Averages, EpochProgress, gather
 from raytrain_app.worker.loaders import WorkerLoaders, build_worker_loaders
@@ -63,9 +64,10 @@ class WorkerTask:
     data: FactoryRef
     model: FactoryRef
     run_dir: str
-    progress: Any = None  # a ProgressTracker actor handle, or None
     log_level: int = logging.INFO
-    stop_file: str | None = None  # the driver creates it to ask for a checkpoint and a stop
+    # The driver's RunControl actor (progress in, stop request out), or None without one.
+    control: Any = None
+    show_progress: bool = False  # rank 0 pushes progress for the driver's bar
 
 
 def train_worker(task: WorkerTask) -> dict[str, Any]:
@@ -109,9 +111,13 @@ class WorkerLoop:
         self.setup()
         self.resume()
         nodes = sorted(set(gather(self.session.node_address(), self.world_size)))
-        run_dir = Path(self.task.run_dir)
+        # Rank 0 writes its files locally (staged when the run directory is an object store);
+        # the tracker uploads them after every epoch and when it closes.
+        files = RankZeroFiles(self.task.run_dir, is_rank_zero())
+        run_dir = files.local or Path(self.task.run_dir)  # other ranks write nothing there
         metrics_log = MetricsLog(run_dir, self.state.epoch) if is_rank_zero() else None
-        self.tracker = open_tracker(self.cfg, run_dir, self.state.step, is_rank_zero())
+        tracker = open_tracker(self.cfg, run_dir, self.state.step, is_rank_zero())
+        self.tracker = files.tracked(tracker)
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             row = self.train_epoch(epoch)
             if row is None:  # stopped mid-epoch on request, checkpoint written
@@ -192,7 +198,7 @@ class WorkerLoop:
             device=self.device,
             world_size=self.world_size,
         )
-        self.stop_request = StopRequest(self.task.stop_file, is_rank_zero())
+        self.stop_request = StopRequest(self.task.control, is_rank_zero())
         self.reporter = Reporter(
             self.session, cfg.train, checkpoint_meta(self.task, self.data_info), self.world_size
         )
@@ -311,13 +317,13 @@ class WorkerLoop:
             self.tracker.log_step(
                 self.state.step, {"loss": float(loss.detach()), "lr": self.stepper.lr()}
             )
-        if self.task.progress is None or not is_rank_zero():
+        if not (self.task.show_progress and self.task.control and is_rank_zero()):
             return
         now, step = time.perf_counter(), self.state.step_in_epoch
         if now - self._last_push < _PROGRESS_INTERVAL_S and (step < self.steps_per_epoch):
             return
         self._last_push = now
-        self.task.progress.update.remote(
+        self.task.control.update.remote(
             epoch=epoch + 1,
             epochs=self.cfg.train.epochs,
             step=step,

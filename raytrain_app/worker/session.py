@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from raytrain_app.checkpoint.store import checkpoints_newest_first
+from raytrain_app.checkpoint.store import MANIFEST_FILE, checkpoints_newest_first, name_progress
 from raytrain_app.checkpoint.upload import upload_atomically
 
 
@@ -96,10 +96,43 @@ class RayTrainSession:
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         import ray.train
 
-        return _checkpoint_directory(ray.train.get_checkpoint())
+        return _checkpoint_directory(_newest_persisted(ray.train.get_checkpoint()))
 
     def node_address(self) -> str:
         return _node_address()
+
+
+def _newest_persisted(reported: Any) -> Any:
+    """Ray's latest checkpoint, or a newer complete one in the run's storage.
+
+    Ray records a checkpoint in its run state only after the upload: a driver killed in
+    between leaves the newest checkpoint on storage but unknown to Ray's next run. Every
+    rank lists the same storage, so all resume from the same one.
+    """
+    import pyarrow.fs
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    fs = storage.storage_filesystem
+    try:
+        entries = fs.get_file_info(pyarrow.fs.FileSelector(storage.experiment_fs_path))
+    except (FileNotFoundError, OSError):
+        return reported
+    named = [(name_progress(e.base_name), e.path) for e in entries if e.type.name == "Directory"]
+    complete = [
+        (progress, path)
+        for progress, path in named
+        if progress is not None
+        and fs.get_file_info(f"{path}/{MANIFEST_FILE}").type == pyarrow.fs.FileType.File
+    ]
+    if not complete:
+        return reported
+    progress, path = max(complete)
+    if reported is not None:
+        known = name_progress(Path(reported.path).name)
+        if known is not None and known >= progress:
+            return reported
+    return ray.train.Checkpoint(path, filesystem=fs)
 
 
 @contextlib.contextmanager

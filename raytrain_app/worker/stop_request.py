@@ -1,30 +1,40 @@
 """Whether the driver asked the run to checkpoint and stop (a stop signal reached it).
 
-Rank 0 looks for the driver's request between steps; the answer reaches the other ranks
-through the per-step agreement (``step_agreement``), so every rank stops at the same step.
+Rank 0 asks the driver's run-control actor between steps, without waiting for the
+answer on the training path; the answer reaches the other ranks through the per-step
+agreement (``step_agreement``), so every rank stops at the same step.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from typing import Any
 
-# How often rank 0 looks for the request: a file check, cheap but not free every step.
+# How often rank 0 asks: one small actor call, answered while training goes on.
 POLL_INTERVAL_S = 0.5
 
 
 class StopRequest:
-    """Rank 0's view of the driver's stop request; other ranks never see it directly."""
+    """Rank 0's view of the driver's stop request; other ranks never ask."""
 
-    def __init__(self, stop_file: str | None, rank_zero: bool) -> None:
-        self._file = Path(stop_file) if stop_file and rank_zero else None
+    def __init__(self, control: Any, rank_zero: bool) -> None:
+        self._control = control if rank_zero else None  # the RunControl actor, or None
+        self._pending: Any = None  # the unanswered question
         self._last_poll = 0.0
 
     def requested(self) -> bool:
-        if self._file is None:
+        if self._control is None:
             return False
+        import ray
+
+        if self._pending is not None:
+            ready, _ = ray.wait([self._pending], timeout=0)
+            if not ready:
+                return False
+            answer, self._pending = ray.get(self._pending), None
+            return bool(answer)
         now = time.monotonic()
-        if now - self._last_poll < POLL_INTERVAL_S:
-            return False
-        self._last_poll = now
-        return self._file.exists()
+        if now - self._last_poll >= POLL_INTERVAL_S:
+            self._last_poll = now
+            self._pending = self._control.stop_requested.remote()
+        return False

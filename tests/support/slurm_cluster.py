@@ -5,13 +5,23 @@ PID 1 that reaps orphans: Ray's daemons would otherwise linger as zombies, and
 ``ray symmetric-run`` ends with ``ray stop``, which stops every Ray process it can see, so
 each node must see only its own. Node 1 runs munged, slurmctld and slurmd; node 2 runs
 slurmd. A veth pair joins the two network namespaces on a private /24 used only inside
-them. Everything lives in one temp dir on the shared filesystem (the munge socket, state,
-logs, the jobs' run directories). Client commands (``sbatch``) run through ``nsenter``.
+them. Client commands (``sbatch``) run through ``nsenter``.
+
+The nodes are as separate as real ones, so that a plan made with one node's CPUs or a file
+written to one node's disk shows up as the bug it is:
+- CPUs: a node's whole process tree (its PID 1, hence slurmd and every job step) runs under
+  ``taskset`` on that node's own cores.
+- Disks: ``/tmp`` and ``/scratch`` are node-local, a per-node host directory bind-mounted in
+  the node's private mount namespace. Everything else is common, as a shared filesystem is;
+  the cluster's own directory (munge socket, state, logs, the jobs' run directories and
+  ``.out`` files) is therefore under /var/tmp, not /tmp.
+- Object storage: ``start_s3`` runs an S3-compatible server (moto) on node 1's address.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,9 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from raytrain_app.testing.isolation import isolated_env
+from raytrain_app.testing.s3_server import S3Server, start_s3_server
 
 SUBNET = "10.77.0"  # only inside the test's own network namespaces
-SLURM_PACKAGES = ("slurmctld", "slurmd", "sbatch", "munged", "unshare", "nsenter", "ip")
+SLURM_PACKAGES = ("slurmctld", "slurmd", "sbatch", "munged", "unshare", "nsenter", "ip", "taskset")
+# Paths every node has to itself; /var/tmp, which holds the cluster's directory, is shared.
+NODE_LOCAL_DIRS = ("/tmp", "/scratch")
+SHARED_PARENT = "/var/tmp"
+# Inside node 1's network namespace only SLURM's and the jobs' Ray ports are taken.
+S3_PORT = 9000
 
 # PID 1 of a node: starts the node's services, then reaps every orphan until killed.
 _REAPER = textwrap.dedent("""
@@ -59,7 +75,13 @@ def missing_requirements() -> str | None:
 class Node:
     name: str
     address: str
+    cores: tuple[int, ...]  # the host CPUs its processes may run on
+    local_root: Path  # host directory behind its NODE_LOCAL_DIRS
     process: subprocess.Popen | None = None
+
+    def local_dir(self, path: str) -> Path:
+        """The host directory behind one of NODE_LOCAL_DIRS on this node."""
+        return self.local_root / path.strip("/")
 
     @property
     def init_pid(self) -> int:
@@ -79,15 +101,56 @@ class Node:
 class SlurmCluster:
     """The running cluster; ``run`` executes a command on node 1 as a cluster client."""
 
-    root: Path
+    root: Path  # on the filesystem every node shares
     nodes: list[Node]
     cpus: int
     env: dict[str, str] = field(default_factory=dict)
+    s3_servers: list[S3Server] = field(default_factory=list)
+
+    @property
+    def shared(self) -> Path:
+        """The cluster's directory on the shared filesystem (same path on every node)."""
+        return self.root
+
+    def node_path(self, node: int, path: str | Path) -> Path:
+        """Where on this machine ``path`` is as node ``node`` (0-based) sees it: its own host
+        directory for node-local paths (``/tmp/x``), the path itself for shared ones."""
+        path = Path(path)
+        for local in NODE_LOCAL_DIRS:
+            if path.is_relative_to(local):
+                return self.nodes[node].local_dir(local) / path.relative_to(local)
+        return path
+
+    def start_s3(self, bucket: str = "runs", port: int = S3_PORT) -> S3Server:
+        """An S3 server in node 1's network namespace on its address, which jobs on every
+        node reach at ``server.endpoint_url`` (``server.env()``); so does ``run``. Stopped
+        with the cluster."""
+        node = self.nodes[0]
+        server = start_s3_server(
+            host=node.address,
+            port=port,
+            bucket=bucket,
+            enter=("nsenter", "-t", str(node.init_pid), "--net"),
+            log_path=self.root / "log" / f"s3-{port}.log",
+        )
+        self.s3_servers.append(server)
+        return server
 
     def run(
-        self, command: list[str], timeout: float = 300, check: bool = False, cwd: Path | None = None
+        self,
+        command: list[str],
+        timeout: float = 300,
+        check: bool = False,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess:
-        nsenter = [
+        """Run ``command`` on node 1 with the cluster's environment plus ``env``; ``sbatch``
+        and ``srun`` pass that environment on to the job."""
+        on_node1 = [
+            # On node 1's cores too, as a process started there would be.
+            "taskset",
+            "--cpu-list",
+            ",".join(map(str, self.nodes[0].cores)),
             "nsenter",
             "-t",
             str(self.nodes[0].init_pid),
@@ -98,8 +161,8 @@ class SlurmCluster:
             f"--wd={cwd or self.root}",
         ]
         return subprocess.run(
-            [*nsenter, *command],
-            env=self.env,
+            [*on_node1, *command],
+            env={**self.env, **(env or {})},
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -138,12 +201,17 @@ class SlurmCluster:
         return self.job_field(job_id, "JobState") or "UNKNOWN"
 
     def stop(self) -> None:
+        """Stop the S3 servers and every node, then delete the cluster's directory."""
+        for server in self.s3_servers:  # only in node 1's network namespace, not its PIDs
+            server.stop()
         for node in reversed(self.nodes):
             if node.process and node.process.poll() is None:
                 # Killing a PID namespace's init kills everything inside it.
                 os.kill(node.init_pid, signal.SIGKILL)
                 node.process.wait(timeout=30)
         subprocess.run(["ip", "link", "del", "rt-veth0"], capture_output=True)
+        # Outside /tmp nothing cleans it up; the nodes' /tmp (Ray's temp dirs) is inside it.
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 # Final job states: any other (PENDING, RUNNING, COMPLETING, REQUEUED, ...) may change.
@@ -220,6 +288,8 @@ def _node_script(root: Path, node: Node, first: bool, alone: bool) -> Path:
         if alone
         else ""
     )
+    mounts = [f"mount --bind {node.local_dir(path)} {path}" for path in NODE_LOCAL_DIRS]
+    local_mounts = " && ".join(mounts) + " || exit 1"  # no node rather than a node on /tmp
     script = root / f"start-{node.name}.sh"
     script.write_text(
         textwrap.dedent(f"""\
@@ -232,6 +302,8 @@ def _node_script(root: Path, node: Node, first: bool, alone: bool) -> Path:
         until ip -br addr | grep -q ' {node.address}/'; do sleep 0.1; done
         # Hostnames need not resolve on real clusters either, but slurmd looks itself up.
         mount --bind {root}/hosts /etc/hosts
+        # Node-local disks (the namespace's mounts are private: nothing reaches the host).
+        {local_mounts}
         export SLURM_CONF={root}/slurm.conf
         {munge}{ctld}
         exec slurmd -D -N {node.name}
@@ -255,9 +327,15 @@ def _start_node(root: Path, node: Node, script: Path, env: dict) -> None:
     with (root / "log" / f"{node.name}.out").open("w") as log:
         node.process = subprocess.Popen(
             [
+                # Every process of the node inherits its PID 1's affinity mask.
+                "taskset",
+                "--cpu-list",
+                ",".join(map(str, node.cores)),
                 "unshare",
                 "--pid",
                 "--mount",
+                "--propagation",
+                "private",
                 "--uts",
                 "--net",
                 "--fork",
@@ -306,12 +384,25 @@ def start_cluster(
     venv_bin: Path | None = None,
     ports: dict[str, int] | None = None,
 ) -> SlurmCluster:
-    """Start munge + slurmctld + ``num_nodes`` slurmd; returns once every node is idle."""
-    root = Path(tempfile.mkdtemp(prefix="rt-slurm-", dir="/tmp"))
+    """Start munge + slurmctld + ``num_nodes`` slurmd; returns once every node is idle.
+
+    Node i (0-based) runs on ``cpus`` host cores from core ``i * cpus`` on, wrapping around
+    the cores this process may use: 2 nodes of 1 CPU on 2 cores get one core each.
+    """
+    root = Path(tempfile.mkdtemp(prefix="rt-slurm-", dir=SHARED_PARENT))
     for sub in ("munge", "state", "spool", "log"):
         (root / sub).mkdir()
     os.chmod(root / "munge", 0o755)  # munged wants its socket reachable by every user
-    nodes = [Node(f"node{i + 1}", f"{SUBNET}.{i + 1}") for i in range(num_nodes)]
+    nodes = [
+        Node(f"node{i + 1}", f"{SUBNET}.{i + 1}", _cores(i, cpus), root / "nodes" / f"node{i + 1}")
+        for i in range(num_nodes)
+    ]
+    for node in nodes:
+        for path in NODE_LOCAL_DIRS:
+            node.local_dir(path).mkdir(parents=True)
+            os.chmod(node.local_dir(path), 0o1777)  # as /tmp is
+    for path in NODE_LOCAL_DIRS:
+        Path(path).mkdir(exist_ok=True)  # the mount point; it stays empty on the host
     # Inside fresh network namespaces every port is free; fixed numbers are fine.
     ports = ports or {"ctld": 16817, "slurmd": 16818, "srun": 16900}
     (root / "slurm.conf").write_text(_slurm_conf(root, nodes, cpus, ports))
@@ -322,7 +413,8 @@ def start_cluster(
     bin_dir = str(venv_bin or Path(sys.executable).parent)
     env = isolated_env(
         root / "home",
-        without=("RAY_", "SLURM_", "PYTHONPATH"),
+        # TMPDIR would name a directory of this machine's /tmp, which nodes do not see.
+        without=("RAY_", "SLURM_", "PYTHONPATH", "TMPDIR"),
         SLURM_CONF=str(root / "slurm.conf"),
         PATH=f"{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin",
     )
@@ -337,6 +429,11 @@ def start_cluster(
         cluster.stop()
         raise
     return cluster
+
+
+def _cores(index: int, cpus: int) -> tuple[int, ...]:
+    available = sorted(os.sched_getaffinity(0))
+    return tuple(sorted({available[(index * cpus + k) % len(available)] for k in range(cpus)}))
 
 
 def _wait_idle(cluster: SlurmCluster, timeout: float = 60) -> None:

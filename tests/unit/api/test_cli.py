@@ -260,7 +260,8 @@ def test_unknown_builtin_set_value_is_rejected_with_allowed_values(no_ray, capsy
 
 
 @needs_cpu_machine
-@pytest.mark.parametrize("case", sorted(PLAN_ERRORS))
+# `raytrain plan` previews any worker count (a warning, exit 0); train refuses it.
+@pytest.mark.parametrize("case", sorted(set(PLAN_ERRORS) - {"too_many_workers"}))
 def test_plan_errors_exit_2_with_one_line(no_ray, capsys, tmp_path, case):
     flags, part = PLAN_ERRORS[case]
     assert cli.main(["plan", *flags]) == 2
@@ -268,6 +269,19 @@ def test_plan_errors_exit_2_with_one_line(no_ray, capsys, tmp_path, case):
     _one_error_line(captured.err, part)
     assert captured.out == ""
     assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_previews_more_workers_than_this_machine_hosts(no_ray, capsys, tmp_path):
+    assert cli.main(["plan", "--json", "--set", "scaling.num_workers=64"]) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    assert (printed["world_size"], printed["per_worker_batch_size"]) == (64, 1)
+    assert printed["fits"] is False
+    assert "scaling.num_workers=64 needs more than the" in captured.err
+    assert "Traceback" not in captured.err
+    assert list(tmp_path.iterdir()) == []
+    assert cli.main(["plan", "--set", "scaling.num_workers=64"]) == 0
+    assert "more than can be hosted now" in capsys.readouterr().out
 
 
 @needs_cpu_machine

@@ -1,9 +1,10 @@
-"""The driver's stop signals: a file the workers poll, and handlers put back afterwards."""
+"""The driver's stop signals: a request the run control passes on, and handlers put back."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 
@@ -14,13 +15,13 @@ from raytrain_app.errors import RunStoppedError
 
 
 @pytest.mark.parametrize("sig", STOP_SIGNALS)
-def test_a_stop_signal_creates_the_stop_file_and_a_second_interrupts(tmp_path, sig):
-    stop_file = tmp_path / ".stop-requested"
+def test_a_stop_signal_requests_a_stop_and_a_second_interrupts(sig):
+    stop = threading.Event()
     before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    with stop_on_signals(stop_file) as received:
+    with stop_on_signals(stop) as received:
         os.kill(os.getpid(), sig)
         assert received == [signal.Signals(sig).name]
-        assert stop_file.exists()
+        assert stop.is_set()
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), sig)
     assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from raytrain_app.planning.environment import (
+    Resources,
     apply_ray_train_defaults,
     detect_environment,
+    parse_slurm_counts,
     training_worker_env_vars,
     unset_ray_train_defaults,
 )
@@ -34,8 +38,43 @@ def test_slurm_allocation():
     assert env.launcher == "slurm"
     assert (env.slurm.job_id, env.slurm.ntasks, env.slurm.num_nodes) == ("4242", 2, 2)
     assert env.slurm.cpus_per_task == 6 and env.slurm.gpus_per_node == 4
-    assert env.resources.cpus == 6  # SLURM's per-task CPUs, not the node's
+    # The plan's target is the whole allocation: each node's tasks' CPUs and its GPUs, x 2.
+    resources = env.resources
+    assert (resources.cpus, resources.gpus, resources.nodes) == (12, 8, 2)
+    assert resources.source == "SLURM allocation" and resources.node_cpus == (6, 6)
+    assert env.machine.cpus == 6  # what a Ray started on this node alone gets
     assert env.ray_address == "10.0.0.1:6379"
+
+
+@pytest.mark.parametrize(
+    ("text", "counts"),
+    [
+        ("4", (4,)),
+        ("2(x2)", (2, 2)),
+        ("72(x2),36", (72, 72, 36)),
+        ("", ()),
+        (None, ()),
+        ("2(x", ()),
+    ],
+)
+def test_slurm_per_node_counts_in_slurms_compressed_form(text, counts):
+    assert parse_slurm_counts(text) == counts
+
+
+def test_a_two_node_allocation_of_one_cpu_each_is_two_cpus_on_two_nodes():
+    """sbatch -N 2 --ntasks-per-node=1 --cpus-per-task=1, as seen by the batch script."""
+    env = detect_environment(
+        {
+            "SLURM_JOB_ID": "9",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_NTASKS": "2",
+            "SLURM_CPUS_PER_TASK": "1",
+            "SLURM_JOB_CPUS_PER_NODE": "1(x2)",
+        }
+    )
+    assert env.resources == Resources(
+        cpus=2.0, gpus=0.0, nodes=2, source="SLURM allocation", node_cpus=(1.0, 1.0)
+    )
 
 
 def test_slurm_gpus_on_node_wins_and_garbage_is_ignored():

@@ -11,7 +11,7 @@ from contract import PLAN_JSON_KEYS
 from environments import A100, P100, V100, make_env
 
 from raytrain_app.config import config_from_dict
-from raytrain_app.planning.environment import SlurmInfo
+from raytrain_app.planning.environment import Environment, SlurmInfo, detect_environment
 from raytrain_app.planning.rules import (
     PlanError,
     choose_backend,
@@ -172,6 +172,53 @@ def test_too_many_workers_for_a_slurm_allocation_names_the_sbatch_flags():
     with pytest.raises(PlanError, match="SLURM allocation.*--cpus-per-task"):
         make_plan(cfg, env)
     assert make_plan(config_from_dict({"scaling": {"num_workers": 4}}), env).world_size == 4
+
+
+def two_node_allocation(cpus_per_node: int, gpus_per_node: int | None = None) -> Environment:
+    """The environment inside ``sbatch -N 2`` with the given CPUs (and GPUs) per node."""
+    variables = {
+        "SLURM_JOB_ID": "9",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_CPUS_PER_TASK": str(cpus_per_node),
+        "SLURM_JOB_CPUS_PER_NODE": f"{cpus_per_node}(x2)",
+    }
+    if gpus_per_node:
+        variables["SLURM_GPUS_ON_NODE"] = str(gpus_per_node)
+    return replace(detect_environment(variables), gpu=A100 if gpus_per_node else None)
+
+
+def test_a_slurm_allocation_is_planned_with_every_node_not_the_one_planning():
+    env = two_node_allocation(cpus_per_node=1)
+    plan = make_plan(config_from_dict({"scaling": {"num_workers": 2}}), env)
+    assert (plan.world_size, plan.fits) == (2, True)
+    assert make_plan(config_from_dict({}), env).world_size == 2  # auto: one per node
+    with pytest.raises(PlanError, match="more than the 2 workers this SLURM allocation"):
+        make_plan(config_from_dict({"scaling": {"num_workers": 3}}), env)
+
+
+def test_gpus_of_every_allocated_node_count():
+    """sbatch --nodes=2 --gpus-per-node=4 ... --set scaling.num_workers=8."""
+    env = two_node_allocation(cpus_per_node=16, gpus_per_node=4)
+    plan = make_plan(config_from_dict({"scaling": {"num_workers": 8}}), env)
+    assert (plan.world_size, plan.use_gpu, plan.fits) == (8, True, True)
+
+
+def test_a_worker_never_spans_two_nodes():
+    env = two_node_allocation(cpus_per_node=3)  # 6 CPUs, but 2 per worker fit once per node
+    cfg = config_from_dict({"scaling": {"num_workers": 3, "cpus_per_worker": 2}})
+    with pytest.raises(PlanError, match="more than the 2 workers"):
+        make_plan(cfg, env)
+
+
+def test_the_preview_plans_any_worker_count_and_says_whether_it_fits(caplog):
+    cfg = config_from_dict({"scaling": {"num_workers": 8}})
+    with caplog.at_level("WARNING"):
+        plan = make_plan(cfg, make_env(cpus=2), preview=True)
+    assert (plan.world_size, plan.per_worker_batch_size, plan.fits) == (8, 8, False)
+    assert plan.to_dict()["fits"] is False
+    assert "scaling.num_workers=8 needs more than the 2 workers this machine" in caplog.text
+    assert make_plan(config_from_dict({}), make_env(cpus=2), preview=True).fits is True
 
 
 def test_single_strategy_forces_one_worker():

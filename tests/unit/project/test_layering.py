@@ -15,9 +15,10 @@ from paths import ROOT
 PACKAGE = ROOT / "raytrain_app"
 
 # Room -> the rooms it may import from (besides itself).
-BASE = {"base"}
+BASE = {"base", "storage"}
 ALLOWED = {
     "base": set(),  # errors, protocol, logging
+    "storage": {"base"},  # the run's storage: local paths and object-store URIs
     "config": BASE,
     "workloads": BASE | {"config"},  # built-in data and models, factory loading
     "planning": BASE | {"config"},

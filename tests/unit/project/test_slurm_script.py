@@ -30,9 +30,16 @@ open(f"{os.environ['RAY_TMP_ROOT']}/rt-{os.environ['SLURM_JOB_ID']}.status", "w"
 """
 
 
-# The config check before Ray starts: `raytrain plan` refuses when FAKE_PLAN_FAILS is set.
+# The config check before Ray starts: `raytrain plan --json` refuses when FAKE_PLAN_FAILS is
+# set, and plans workers the allocation cannot host when FAKE_PLAN_UNFIT is.
 FAKE_RAYTRAIN = """#!/usr/bin/env bash
 if [[ -n ${FAKE_PLAN_FAILS:-} ]]; then echo "error: unknown config key 'train.lrr'" >&2; exit 2; fi
+if [[ -n ${FAKE_PLAN_UNFIT:-} ]]; then
+  echo "WARNING scaling.num_workers=8 needs more than the 2 workers" >&2
+  echo '{"world_size": 8, "fits": false}'
+else
+  echo '{"world_size": 2, "fits": true}'
+fi
 """
 
 
@@ -78,6 +85,12 @@ def test_a_refused_config_fails_the_job_before_ray_starts(tmp_path):
     with pytest.raises(AssertionError, match="Ray not started"):
         run_script(tmp_path, FAKE_PLAN_FAILS="1")
     assert not (tmp_path / "srun.json").exists()  # srun (and so Ray) never ran
+
+
+def test_workers_the_allocation_cannot_host_fail_the_job_before_ray_starts(tmp_path):
+    with pytest.raises(AssertionError, match="cannot host the planned workers.*Ray not started"):
+        run_script(tmp_path, FAKE_PLAN_UNFIT="1")
+    assert not (tmp_path / "srun.json").exists()
 
 
 def test_token_auth_is_on_with_a_fresh_token_that_is_never_printed(tmp_path):

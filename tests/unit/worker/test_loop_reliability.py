@@ -6,14 +6,13 @@ in tests/distributed/test_faults.py.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from loop_harness import Crash, LocalSession, assert_same_run, make_task, run_loop
 
 from raytrain_app.checkpoint import store as ckpt
 from raytrain_app.worker.loop import NonFiniteLossError
+from raytrain_app.worker.stop_request import StopRequest
 
 
 def test_a_crash_after_a_mid_epoch_checkpoint_resumes_at_the_exact_next_batch(tmp_path):
@@ -96,24 +95,24 @@ def test_nonfinite_skip_drops_that_step_and_counts_it(tmp_path):
     assert ckpt.load_train_state(session.checkpoints()[0])["skipped_steps"] == 2
 
 
-def test_a_stop_request_checkpoints_at_the_next_step_and_resumes_exactly(tmp_path):
+def test_a_stop_request_checkpoints_at_the_next_step_and_resumes_exactly(tmp_path, monkeypatch):
     reference = run_loop(make_task(tmp_path / "a"), LocalSession(tmp_path / "a" / "ckpt"))
     task = make_task(tmp_path / "b", model_params={"sleep_s": 0.002})
-    task.stop_file = str(tmp_path / "stop")
-    Path(task.stop_file).touch()  # asked before the first step: stops after it
+    # The driver asked before the first step (its run-control actor says so): stops after it.
+    monkeypatch.setattr(StopRequest, "requested", lambda self: True)
     storage = tmp_path / "b" / "ckpt"
     result, _ = run_loop(task, LocalSession(storage))
     assert result["stopped"] is True
     [only] = LocalSession(storage).checkpoints()
     assert ckpt.read_meta(only)["step"] == 1
 
-    Path(task.stop_file).unlink()
+    monkeypatch.undo()
     resumed = run_loop(make_task(tmp_path / "b"), LocalSession(storage))
     assert_same_run(resumed, reference)
 
 
 class RecordedProgress:
-    """Stands in for the driver's progress actor: keeps what rank 0 pushed."""
+    """Stands in for the driver's run-control actor: keeps the progress rank 0 pushed."""
 
     def __init__(self) -> None:
         self.pushed: list[dict] = []
@@ -123,11 +122,12 @@ class RecordedProgress:
         self.pushed.append(fields)
 
 
-def test_throughput_covers_the_whole_epoch_across_checkpoints_and_resumes(tmp_path):
+def test_throughput_covers_the_whole_epoch_across_checkpoints_and_resumes(tmp_path, monkeypatch):
     """An epoch's samples/s is its samples over its training time, whether it was cut by
     mid-epoch checkpoints or resumed after a crash (the time lost in between excluded)."""
     task = make_task(tmp_path, checkpoint_every_steps=3, model_params={"sleep_s": 0.002})
-    task.progress = RecordedProgress()
+    task.control, task.show_progress = RecordedProgress(), True
+    monkeypatch.setattr(StopRequest, "requested", lambda self: False)  # no Ray to ask
     storage = tmp_path / "ckpt"
     with pytest.raises(Crash):  # the 7th checkpoint is 2 steps into epoch 2 (step 18)
         run_loop(task, LocalSession(storage, crash_after_checkpoints=7))
@@ -138,6 +138,6 @@ def test_throughput_covers_the_whole_epoch_across_checkpoints_and_resumes(tmp_pa
         assert row["samples_per_s"] * row["epoch_time_s"] == pytest.approx(epoch_samples)
     # The bar's rate at an epoch's last step is that epoch's rate, not the rate since the
     # last mid-epoch checkpoint (which was one step earlier).
-    last_steps = [p for p in task.progress.pushed if p["step"] == 16]
+    last_steps = [p for p in task.control.pushed if p["step"] == 16]
     for pushed, row in zip(last_steps[-3:], result["history"], strict=True):
         assert pushed["samples_per_s"] == pytest.approx(row["samples_per_s"], rel=0.25)

@@ -1,0 +1,219 @@
+"""One place in the run's storage, on pyarrow's filesystems: a local path (on a shared
+filesystem too) or a URI pyarrow resolves (``s3://``, ``gs://``, ``hdfs://``, ...).
+
+S3 endpoints and credentials come only from the standard AWS variables
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), which pyarrow reads itself.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from raytrain_app.errors import BadInputError, first_line
+
+# A scheme of two or more letters, so that a Windows drive (C:\runs) stays a path.
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
+
+
+def is_uri(text: str | os.PathLike) -> bool:
+    """Whether ``text`` names a filesystem by URI (``s3://bucket/x``), not a local path."""
+    return bool(_URI.match(os.fspath(text)))
+
+
+def _bad_uri(text: str, key: str, reason: str) -> BadInputError:
+    return BadInputError(
+        f"{key}={text!r} is not a storage location pyarrow can open ({reason}); use a local "
+        f"path or a URI such as s3://bucket/prefix, gs://bucket/prefix or hdfs://host/path "
+        f"(S3 endpoint and credentials come from the AWS_* environment variables)"
+    )
+
+
+@dataclass(frozen=True)
+class StorageLocation:
+    """A file or directory in some filesystem.
+
+    Attributes:
+        filesystem: the pyarrow filesystem that holds it.
+        path: its path inside ``filesystem`` (``bucket/prefix`` on S3).
+        uri: what users see and pass back: the local path, or the URI.
+    """
+
+    filesystem: pafs.FileSystem
+    path: str
+    uri: str
+
+    @classmethod
+    def parse(cls, text: str | os.PathLike, key: str) -> StorageLocation:
+        """A local path (``~`` expanded, made absolute) or a filesystem URI.
+
+        Args:
+            text: the path or URI.
+            key: the config key or flag it came from, named in errors.
+
+        Raises:
+            BadInputError: a URI of an unknown scheme, or one pyarrow cannot resolve.
+        """
+        text = os.fspath(text)
+        if not is_uri(text):
+            return cls.local(Path(text).expanduser().absolute())
+        try:
+            filesystem, path = pafs.FileSystem.from_uri(text)
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise _bad_uri(text, key, first_line(exc)) from None
+        if not path.strip("/"):
+            raise _bad_uri(text, key, "it names no bucket or path")
+        if isinstance(filesystem, pafs.LocalFileSystem):  # file:///...
+            return cls.local(Path(path))
+        return cls(filesystem, path.rstrip("/"), text.rstrip("/"))
+
+    @classmethod
+    def local(cls, path: Path) -> StorageLocation:
+        """A local path (absolute), as is."""
+        return cls(pafs.LocalFileSystem(), str(path), str(path))
+
+    def __str__(self) -> str:
+        return self.uri
+
+    @property
+    def is_local(self) -> bool:
+        """On this machine's filesystem (which may be a shared one every node mounts)."""
+        return isinstance(self.filesystem, pafs.LocalFileSystem)
+
+    @property
+    def local_path(self) -> Path:
+        """The local path of a local location.
+
+        Raises:
+            ValueError: the location is in an object store or another remote filesystem.
+        """
+        if not self.is_local:
+            raise ValueError(f"'{self.uri}' is not a local path")
+        return Path(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    def child(self, *parts: str) -> StorageLocation:
+        """The location ``parts`` below this one (``child("checkpoints", "x")``)."""
+        if self.is_local:
+            return StorageLocation.local(Path(self.path, *parts))
+        suffix = "/".join(p.strip("/") for p in parts)
+        scheme, netloc, path, query, fragment = urlsplit(self.uri)
+        uri = urlunsplit((scheme, netloc, f"{path.rstrip('/')}/{suffix}", query, fragment))
+        return StorageLocation(self.filesystem, f"{self.path}/{suffix}", uri)
+
+    @property
+    def parent(self) -> StorageLocation:
+        """The folder that holds this location."""
+        if self.is_local:
+            return StorageLocation.local(Path(self.path).parent)
+        scheme, netloc, path, query, fragment = urlsplit(self.uri)
+        uri = urlunsplit((scheme, netloc, path.rsplit("/", 1)[0], query, fragment))
+        return StorageLocation(self.filesystem, self.path.rsplit("/", 1)[0], uri)
+
+    def at(self, path: str) -> StorageLocation:
+        """The location of ``path``, a path in this filesystem at or below this location
+        (one that Ray or a listing returned)."""
+        inner = path.rstrip("/")
+        if inner == self.path:
+            return self
+        if not inner.startswith(f"{self.path}/"):
+            raise ValueError(f"'{path}' is not inside '{self.path}'")
+        return self.child(inner[len(self.path) + 1 :])
+
+    # Queries
+
+    def _type(self) -> pafs.FileType:
+        return self.filesystem.get_file_info(self.path).type
+
+    def exists(self) -> bool:
+        return self._type() != pafs.FileType.NotFound
+
+    def is_file(self) -> bool:
+        return self._type() == pafs.FileType.File
+
+    def is_dir(self) -> bool:
+        return self._type() == pafs.FileType.Directory
+
+    def list_dir(self, recursive: bool = False, files_only: bool = False) -> list[StorageLocation]:
+        """What this directory holds (every depth with ``recursive``; only files with
+        ``files_only``), sorted; [] when it does not exist."""
+        selector = pafs.FileSelector(self.path, allow_not_found=True, recursive=recursive)
+        infos = self.filesystem.get_file_info(selector)
+        if files_only:
+            infos = [info for info in infos if info.type == pafs.FileType.File]
+        return [self.at(info.path) for info in sorted(infos, key=lambda info: info.path)]
+
+    # Reading and writing
+
+    def read_bytes(self) -> bytes:
+        with self.filesystem.open_input_stream(self.path) as stream:
+            return stream.read()
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode("utf-8")
+
+    def write_bytes(self, data: bytes) -> None:
+        """Write the whole file at once: readers see the old file or the new one, never a
+        part (locally a temporary file then ``os.replace``; an object-store put is atomic)."""
+        if not self.is_local:
+            with self.filesystem.open_output_stream(self.path) as stream:
+                stream.write(data)
+            return
+        target = self.local_path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def write_text(self, text: str) -> None:
+        self.write_bytes(text.encode("utf-8"))
+
+    def upload(self, source: Path) -> None:
+        """Copy the local file or directory ``source`` (its contents) to this location."""
+        if self.is_local:
+            self.local_path.parent.mkdir(parents=True, exist_ok=True)
+        pafs.copy_files(
+            str(source),
+            self.path,
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=self.filesystem,
+        )
+
+    def download(self, directory: Path) -> Path:
+        """Copy this file, or this directory's contents, into the local ``directory``.
+
+        Returns:
+            The local copy: ``directory / name`` for a file, ``directory`` for a directory.
+        """
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / self.name if self.is_file() else directory
+        pafs.copy_files(
+            self.path,
+            str(target),
+            source_filesystem=self.filesystem,
+            destination_filesystem=pafs.LocalFileSystem(),
+        )
+        return target
+
+    def delete(self) -> None:
+        """Delete this file or directory (with everything under it); nothing if absent."""
+        kind = self._type()
+        if kind == pafs.FileType.Directory:
+            self.filesystem.delete_dir(self.path)
+        elif kind != pafs.FileType.NotFound:
+            self.filesystem.delete_file(self.path)

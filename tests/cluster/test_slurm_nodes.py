@@ -1,0 +1,131 @@
+"""The SLURM test cluster's nodes are as separate as real ones: own CPUs, own /tmp and
+/scratch, a shared filesystem, and an S3 server every node reaches."""
+
+from __future__ import annotations
+
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SlurmCluster, missing_requirements, start_cluster
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements())),
+]
+
+ON_NODE1 = "srun --nodes=1 --ntasks=1 --nodelist=node1"
+ON_NODE2 = "srun --nodes=1 --ntasks=1 --nodelist=node2"
+
+# Job steps' probes, run from the shared directory.
+PROBES = {
+    "cpus.py": """
+        import os, socket
+        print("STEP", socket.gethostname(), ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+              os.environ["SLURM_JOB_CPUS_PER_NODE"], os.environ["SLURM_CPUS_ON_NODE"])
+    """,
+    "s3_put.py": """
+        import sys
+        from pyarrow import fs
+        filesystem, path = fs.FileSystem.from_uri(sys.argv[1])
+        with filesystem.open_output_stream(path) as out:
+            out.write(sys.argv[2].encode())
+    """,
+    "s3_get.py": """
+        import sys
+        from pyarrow import fs
+        filesystem, path = fs.FileSystem.from_uri(sys.argv[1])
+        with filesystem.open_input_stream(path) as stream:
+            print("GOT", stream.read().decode())
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = start_cluster(num_nodes=2, cpus=1)
+    try:
+        for name, code in PROBES.items():
+            (cluster.shared / name).write_text(textwrap.dedent(code))
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def batch(cluster: SlurmCluster, body: str, *sbatch_args: str, env=None) -> str:
+    """Run ``body`` as a 2-node batch script; its output once it has COMPLETED."""
+    name = f"job-{uuid.uuid4().hex[:8]}"
+    script = cluster.shared / f"{name}.sh"
+    script.write_text("#!/bin/bash\nset -euo pipefail\n" + textwrap.dedent(body))
+    out = cluster.shared / f"{name}.out"
+    submitted = cluster.run(
+        ["sbatch", "--parsable", "--nodes=2", f"--output={out}", *sbatch_args, str(script)],
+        check=True,
+        env=env,
+    )
+    job_id = submitted.stdout.strip()
+    cluster.wait_for_jobs([job_id], timeout=120)
+    text = out.read_text()
+    assert cluster.job_state(job_id) == "COMPLETED", text
+    return text
+
+
+def test_each_job_step_runs_on_its_own_nodes_cpu_only(cluster):
+    out = batch(cluster, "srun python cpus.py\n", "--ntasks-per-node=1", "--cpus-per-task=1")
+    steps = {line.split()[1]: line.split()[2:] for line in out.splitlines() if line[:4] == "STEP"}
+    assert sorted(steps) == ["node1", "node2"], out
+    for node in cluster.nodes:
+        cores, job_cpus_per_node, cpus_on_node = steps[node.name]
+        assert cores == ",".join(map(str, node.cores)) and len(node.cores) == 1
+        assert (job_cpus_per_node, cpus_on_node) == ("1(x2)", "1")
+    if len({core for node in cluster.nodes for core in node.cores}) == 2:  # 2+ host cores
+        assert steps["node1"][0] != steps["node2"][0]
+
+
+def test_tmp_and_scratch_are_node_local(cluster):
+    name = f"rt-probe-{uuid.uuid4().hex}"
+    out = batch(
+        cluster,
+        f"""\
+        {ON_NODE2} bash -c 'echo node2 > /tmp/{name} && echo node2 > /scratch/{name}'
+        {ON_NODE1} bash -c 'ls /tmp/{name} /scratch/{name} 2> /dev/null && echo SEEN; true'
+        {ON_NODE2} bash -c 'cat /tmp/{name}'
+        """,
+    )
+    assert "SEEN" not in out and out.splitlines() == ["node2"], out
+    for directory in ("/tmp", "/scratch"):
+        path = f"{directory}/{name}"
+        assert cluster.node_path(1, path).read_text() == "node2\n"
+        assert cluster.node_path(1, path).is_relative_to(cluster.shared / "nodes" / "node2")
+        assert not cluster.node_path(0, path).exists()
+        assert not Path(path).exists()  # nor on this machine's own disk
+
+
+def test_the_shared_directory_is_common_to_every_node(cluster):
+    path = cluster.shared / f"shared-{uuid.uuid4().hex}"
+    out = batch(
+        cluster,
+        f"""\
+        {ON_NODE2} bash -c 'echo written on node2 > {path}'
+        {ON_NODE1} cat {path}
+        """,
+    )
+    assert out.splitlines() == ["written on node2"], out
+    assert cluster.node_path(0, path) == cluster.node_path(1, path) == path
+
+
+def test_an_object_written_on_node2_is_read_on_node1_through_the_s3_server(cluster):
+    pytest.importorskip("moto")
+    s3 = cluster.start_s3("runs")
+    assert s3.endpoint_url.startswith(f"http://{cluster.nodes[0].address}:")
+    uri = s3.uri("from-node2", "hello.txt")
+    out = batch(
+        cluster,
+        f"""\
+        {ON_NODE2} python s3_put.py {uri} 'hello from node2'
+        {ON_NODE1} python s3_get.py {uri}
+        """,
+        env=s3.env(),
+    )
+    assert out.splitlines() == ["GOT hello from node2"], out

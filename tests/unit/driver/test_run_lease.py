@@ -1,0 +1,407 @@
+"""One writer per run directory: the lease is created atomically, refuses a second live
+holder in one line, is taken over from a gone owner (exactly one of racing takers wins), is
+refreshed while held and released at the end; on a filesystem and on an S3 server."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from raytrain_app.driver import lease_stores, run_lease
+from raytrain_app.driver.lease_stores import LEASE_FILE, FileLeaseStore, LeaseRecord, lease_store
+from raytrain_app.driver.run_lease import hold_run_lease
+from raytrain_app.errors import BadInputError
+
+FAST = {"heartbeat_s": 0.05, "stale_after_s": 30.0}  # no test waits for the real minute
+OWNER = re.compile(
+    r"run directory '[^']+' is being written by raytrain (train|tune) on host \S+ "
+    r"\(pid \d+(, SLURM job \S+)?, since \d\d:\d\d:\d\d\); wait for it to finish, stop it, "
+    r"or choose another experiment\.name"
+)
+
+
+@pytest.fixture(autouse=True)
+def no_slurm(monkeypatch):
+    """Outside SLURM unless a test says otherwise (the suite may run inside a job)."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+
+
+def lease_of(root: Path) -> LeaseRecord:
+    record = LeaseRecord.from_bytes((root / LEASE_FILE).read_bytes())
+    assert record is not None
+    return record
+
+
+def plant(root: Path, **fields) -> LeaseRecord:
+    """Write a lease as another run would have left it."""
+    now = time.time()
+    record = LeaseRecord(
+        **{
+            "token": "theirs",
+            "command": "train",
+            "host": "node7",
+            "pid": 4242,
+            "started_at": now - 300,
+            "heartbeat_at": now,
+            **fields,
+        }
+    )
+    root.mkdir(parents=True, exist_ok=True)
+    (root / LEASE_FILE).write_bytes(record.to_bytes())
+    return record
+
+
+def refusal(root: str, command: str = "train", **lease_args) -> str:
+    """The one-line error of a run that may not take the lease of ``root``."""
+    lease_args = {**FAST, **lease_args}
+    with pytest.raises(BadInputError) as refused, hold_run_lease(root, command, **lease_args):
+        pytest.fail(f"a second holder got the lease of {root}")
+    message = str(refused.value)
+    assert "\n" not in message, message
+    return message
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped, so the PID names no process (not even a zombie)
+    return child.pid
+
+
+def lease_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("run-lease")]
+
+
+def test_the_first_run_creates_the_lease_exclusively_and_removes_it_at_the_end(tmp_path):
+    root = tmp_path / "runs" / "exp"
+    with hold_run_lease(str(root), "train", **FAST) as lease:
+        held = lease_of(root)
+        assert (held.host, held.pid, held.command) == (socket.gethostname(), os.getpid(), "train")
+        assert held.token == lease.record.token and held.slurm_job_id is None
+        assert time.time() - 5 < held.started_at <= held.heartbeat_at
+        assert FileLeaseStore(root).create(b"{}") is False  # exclusive: the file is there
+        assert lease_threads()
+    assert not (root / LEASE_FILE).exists()
+    assert not root.exists()  # the lease made the directory and nothing else was written
+    assert lease_threads() == []
+
+
+def test_a_second_run_is_refused_in_one_line_naming_the_owner(tmp_path):
+    root = tmp_path / "exp"
+    with hold_run_lease(str(root), "train", **FAST):
+        first = lease_of(root)
+        message = refusal(str(root), "tune")
+        assert lease_of(root).token == first.token  # the first run's lease is untouched
+    assert OWNER.fullmatch(message), message
+    assert f"'{root}'" in message and f"pid {os.getpid()}," in message
+    assert f"on host {socket.gethostname()} " in message
+
+
+def test_a_lease_held_on_another_host_with_a_fresh_heartbeat_is_refused(tmp_path):
+    root = tmp_path / "exp"
+    plant(root, slurm_job_id="77")
+    assert "on host node7 (pid 4242, SLURM job 77, since" in refusal(str(root))
+    assert lease_of(root).token == "theirs"
+
+
+def test_a_lease_whose_process_died_on_this_host_is_taken_over(tmp_path, caplog):
+    root = tmp_path / "exp"
+    plant(root, host=socket.gethostname(), pid=dead_pid())
+    with caplog.at_level(logging.WARNING), hold_run_lease(str(root), "train", **FAST) as lease:
+        assert lease_of(root).token == lease.record.token
+    assert any(
+        r.levelno == logging.WARNING and "taking over" in r.message and "has exited" in r.message
+        for r in caplog.records
+    )
+    assert not (root / LEASE_FILE).exists()
+
+
+def test_a_lease_without_a_heartbeat_for_longer_than_the_stale_limit_is_taken_over(
+    tmp_path, caplog
+):
+    root = tmp_path / "exp"
+    plant(root, heartbeat_at=time.time() - 2.0)  # another host, silent for 2 s
+    with (
+        caplog.at_level(logging.WARNING),
+        hold_run_lease(str(root), "train", heartbeat_s=0.05, stale_after_s=1.0) as lease,
+    ):
+        assert lease_of(root).token == lease.record.token
+    assert re.search(
+        r"taking over .* from raytrain train on host node7 .*: no heartbeat for \d+ s", caplog.text
+    )
+
+
+def test_a_lease_of_the_same_slurm_job_is_taken_over_as_a_requeue(tmp_path, monkeypatch, caplog):
+    root = tmp_path / "exp"
+    plant(root, slurm_job_id="9001")  # another node, fresh heartbeat: the job's first run
+    monkeypatch.setenv("SLURM_JOB_ID", "9001")
+    with caplog.at_level(logging.WARNING), hold_run_lease(str(root), "train", **FAST) as lease:
+        held = lease_of(root)
+        assert held.token == lease.record.token and held.slurm_job_id == "9001"
+    assert "SLURM job (9001), requeued" in caplog.text
+
+
+def test_another_slurm_job_is_refused(tmp_path, monkeypatch):
+    root = tmp_path / "exp"
+    plant(root, slurm_job_id="9001")
+    monkeypatch.setenv("SLURM_JOB_ID", "9002")
+    assert "SLURM job 9001" in refusal(str(root))
+
+
+def _take_over(root: str, start: threading.Barrier, done: threading.Event, outcomes: list) -> None:
+    start.wait()
+    try:
+        with hold_run_lease(root, "train", **FAST):
+            outcomes.append("won")
+            done.wait(20)  # hold it until every other taker has had its try
+    except BadInputError as exc:
+        outcomes.append("refused" if OWNER.fullmatch(str(exc)) else str(exc))
+
+
+@pytest.mark.parametrize("round_", range(5))
+def test_of_threads_racing_to_take_over_a_stale_lease_exactly_one_wins(tmp_path, round_):
+    root = tmp_path / "exp"
+    plant(root, host=socket.gethostname(), pid=dead_pid())
+    takers, outcomes, done = 6, [], threading.Event()
+    start = threading.Barrier(takers)
+    threads = [
+        threading.Thread(target=_take_over, args=(str(root), start, done, outcomes))
+        for _ in range(takers)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while len(outcomes) < takers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    done.set()
+    for thread in threads:
+        thread.join(20)
+    assert sorted(outcomes) == ["refused"] * (takers - 1) + ["won"]
+    assert list(root.iterdir()) == []  # released; no takeover lock or temp file left
+
+
+def _take_over_in_a_process(root: str, start, done, results) -> None:
+    start.wait()
+    try:
+        with hold_run_lease(root, "train", **FAST):
+            results.put("won")
+            done.wait(20)
+    except BadInputError:
+        results.put("refused")
+
+
+def test_of_processes_racing_to_take_over_a_stale_lease_exactly_one_wins(tmp_path):
+    root = tmp_path / "exp"
+    plant(root, heartbeat_at=time.time() - 120)  # another host, silent for two minutes
+    context = multiprocessing.get_context("fork")  # the children skip importing torch again
+    takers = 4
+    start, done, results = context.Barrier(takers), context.Event(), context.Queue()
+    children = [
+        context.Process(target=_take_over_in_a_process, args=(str(root), start, done, results))
+        for _ in range(takers)
+    ]
+    for child in children:
+        child.start()
+    try:
+        outcomes = [results.get(timeout=60) for _ in range(takers)]
+    finally:
+        done.set()
+        for child in children:
+            child.join(30)
+    assert sorted(outcomes) == ["refused"] * (takers - 1) + ["won"]
+    assert [child.exitcode for child in children] == [0] * takers
+
+
+def test_two_takers_of_the_same_stale_version_cannot_both_replace_it(tmp_path):
+    root = tmp_path / "exp"
+    plant(root, heartbeat_at=0.0)
+    first, second = FileLeaseStore(root), FileLeaseStore(root)
+    stale = first.read()
+    assert stale is not None
+    assert first.replace(stale, b"first") is True
+    assert second.replace(stale, b"second") is False  # it changed after the second's read
+    assert (root / LEASE_FILE).read_bytes() == b"first"
+
+
+def test_a_taker_waits_for_another_takers_lock_and_removes_an_abandoned_one(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(lease_stores, "_ABANDONED_TAKEOVER_S", 0.2)
+    root = tmp_path / "exp"
+    plant(root, heartbeat_at=0.0)
+    (root / f"{LEASE_FILE}.takeover").touch()  # a taker that died holding its lock
+    store = FileLeaseStore(root)
+    stale = store.read()
+    assert stale is not None
+    assert store.replace(stale, b"mine") is False  # another taker is at work
+    time.sleep(0.3)
+    with caplog.at_level(logging.WARNING):
+        assert store.replace(stale, b"mine") is False  # the lock is abandoned: removed
+    assert "abandoned takeover lock" in caplog.text
+    assert store.replace(stale, b"mine") is True
+    assert sorted(p.name for p in root.iterdir()) == [LEASE_FILE]
+
+
+def test_an_unreadable_lease_is_waited_for_while_young_and_taken_over_when_old(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(run_lease, "_CLAIM_TIMEOUT_S", 0.5)
+    root = tmp_path / "exp"
+    root.mkdir()
+    (root / LEASE_FILE).write_bytes(b"")  # an exclusive create whose content is not written yet
+    assert "keeps changing or cannot be read" in refusal(str(root))
+    old = time.time() - 120
+    os.utime(root / LEASE_FILE, (old, old))  # its writer died before writing a byte
+    with hold_run_lease(str(root), "train", heartbeat_s=0.05, stale_after_s=1.0) as lease:
+        assert lease_of(root).token == lease.record.token
+
+
+@pytest.mark.skipif(
+    signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, reason="SIGTERM is handled here"
+)
+def test_sigterm_ends_the_run_through_the_release(tmp_path):
+    root = tmp_path / "exp"
+    with pytest.raises(SystemExit) as ended, hold_run_lease(str(root), "train", **FAST):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises at the next bytecode
+    assert ended.value.code == 128 + signal.SIGTERM
+    assert not (root / LEASE_FILE).exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_an_exception_in_the_run_releases_the_lease_and_stops_the_heartbeat(tmp_path):
+    root = tmp_path / "exp"
+    root.mkdir()
+    (root / "config.yaml").write_text("x: 1\n")
+    with pytest.raises(RuntimeError, match="boom"), hold_run_lease(str(root), "train", **FAST):
+        raise RuntimeError("boom")
+    assert sorted(p.name for p in root.iterdir()) == ["config.yaml"]  # the directory stays
+    assert lease_threads() == []
+    with hold_run_lease(str(root), "train", **FAST):  # and the next run gets it at once
+        pass
+
+
+def test_the_heartbeat_refreshes_the_lease_while_it_is_held(tmp_path):
+    root = tmp_path / "exp"
+    with hold_run_lease(str(root), "tune", **FAST) as lease:
+        first = lease_of(root)
+        deadline = time.monotonic() + 10
+        while lease_of(root).heartbeat_at == first.heartbeat_at and time.monotonic() < deadline:
+            time.sleep(0.02)
+        later = lease_of(root)
+        assert later.heartbeat_at > first.heartbeat_at
+        assert (later.token, later.started_at) == (first.token, first.started_at)
+        assert not lease.lost.is_set()
+
+
+def test_a_heartbeat_that_finds_another_runs_lease_stops_and_says_so(tmp_path, caplog):
+    root = tmp_path / "exp"
+    with caplog.at_level(logging.ERROR), hold_run_lease(str(root), "train", **FAST) as lease:
+        plant(root)  # as if a taker had judged us gone
+        assert lease.lost.wait(10)
+    assert lease_of(root).token == "theirs"  # not ours to delete
+    assert "lost the lease" in caplog.text
+
+
+def test_an_unwritable_output_dir_fails_in_one_line_and_leaves_nothing(tmp_path):
+    (tmp_path / "runs").write_text("a file where experiment.output_dir should be\n")
+    message = refusal(str(tmp_path / "runs" / "exp"))
+    assert message.startswith(f"cannot write the lease of run directory '{tmp_path}/runs/exp'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+def test_other_uri_schemes_run_unguarded_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING), hold_run_lease("gs://bucket/runs/exp", "train") as got:
+        assert got is None
+    assert "no lease guards run directory 'gs://bucket/runs/exp'" in caplog.text
+
+
+def test_s3_without_boto3_fails_in_one_line_saying_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 raises ImportError
+    with pytest.raises(BadInputError, match=r"pip install boto3") as missing:
+        lease_store("s3://bucket/runs/exp")
+    assert "\n" not in str(missing.value)
+
+
+# --- S3: a real protocol server (moto), which honours If-None-Match and If-Match -------------
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server with one bucket; this process's AWS_* variables point at it."""
+    from raytrain_app.testing.s3_server import start_s3_server
+
+    server = start_s3_server(bucket="leases")
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in server.env().items():
+            patch.setenv(name, value)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def test_on_s3_a_missing_bucket_fails_in_one_line(s3):
+    assert "cannot write the lease" in refusal("s3://no-such-bucket/runs/exp")
+
+
+def s3_object(key: str) -> bytes | None:
+    import boto3
+
+    client = boto3.session.Session().client("s3")
+    try:
+        return client.get_object(Bucket="leases", Key=key)["Body"].read()
+    except client.exceptions.NoSuchKey:
+        return None
+
+
+def test_on_s3_a_second_run_is_refused_and_release_deletes_the_object(s3):
+    root = s3.uri("runs", "exp")
+    with hold_run_lease(root, "train", **FAST) as lease:
+        held = LeaseRecord.from_bytes(s3_object(f"runs/exp/{LEASE_FILE}") or b"")
+        assert held is not None and held.token == lease.record.token
+        message = refusal(root)
+    assert OWNER.fullmatch(message) and f"'{root}'" in message
+    assert s3_object(f"runs/exp/{LEASE_FILE}") is None
+
+
+def test_on_s3_the_create_is_conditional_and_a_stale_lease_has_one_taker(s3):
+    store = lease_store(s3.uri("runs", "race"))
+    assert store is not None
+    assert store.create(b"one") is True
+    assert store.create(b"two") is False  # If-None-Match: * refused by the server (412)
+    stale = store.read()
+    assert stale is not None and stale.raw == b"one"
+    assert store.replace(stale, b"first taker") is True  # If-Match: the stale ETag
+    assert store.replace(stale, b"second taker") is False  # that ETag is gone now
+    assert s3_object(f"runs/race/{LEASE_FILE}") == b"first taker"
+    store.delete(stale)  # If-Match: a stale version deletes nothing
+    assert s3_object(f"runs/race/{LEASE_FILE}") == b"first taker"
+    store.delete(store.read())
+    assert s3_object(f"runs/race/{LEASE_FILE}") is None
+
+
+def test_on_s3_a_stale_lease_is_taken_over_and_the_heartbeat_refreshes_it(s3):
+    root = s3.uri("runs", "requeued")
+    store = lease_store(root)
+    assert store is not None
+    gone = LeaseRecord("theirs", "train", "node7", 4242, 0.0, time.time() - 5.0)
+    assert store.create(gone.to_bytes())
+    with hold_run_lease(root, "train", heartbeat_s=0.05, stale_after_s=1.0) as lease:
+        first = LeaseRecord.from_bytes(store.read().raw)
+        assert first is not None and first.token == lease.record.token
+        deadline = time.monotonic() + 10
+        while LeaseRecord.from_bytes(store.read().raw).heartbeat_at == first.heartbeat_at:
+            assert time.monotonic() < deadline, "the heartbeat never refreshed the S3 lease"
+            time.sleep(0.05)
+    assert store.read() is None
