@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from raytrain_app.config import DataConfig, ModelConfig
-from raytrain_app.planning.rules import lr_factor
+from raytrain_app.planning.batch import lr_factor
 from raytrain_app.workloads import build_data, build_model, model_factory, prepare_data
 
 SEED = 0

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_app.config import config_from_dict
-from raytrain_app.planning.rules import lr_factor
+from raytrain_app.planning.batch import lr_factor
 from raytrain_app.protocol import DataSplits, ModelSpec
 from raytrain_app.tracking.metrics_log import read_metrics
 from raytrain_app.workloads import FactoryRef, build_data, build_model, model_factory, prepare_data

@@ -16,7 +16,11 @@ from typing import Any
 
 from raytrain_app.driver.reachability import check_reachable
 from raytrain_app.errors import BadInputError, first_line
-from raytrain_app.planning.environment import enable_client_token_auth, job_server_address
+from raytrain_app.planning.environment import (
+    enable_client_token_auth,
+    job_server_address,
+    storage_env_vars,
+)
 
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 SUBMITTABLE = ("train", "tune")
@@ -137,7 +141,12 @@ def submit(
     client = _client(address)
     job_id = client.submit_job(
         entrypoint=shlex.join(["raytrain", *command]),
-        runtime_env={"working_dir": str(root), "excludes": _EXCLUDES},
+        runtime_env={
+            "working_dir": str(root),
+            "excludes": _EXCLUDES,
+            # An object-store run directory: the job reaches it with this machine's AWS_*.
+            "env_vars": storage_env_vars(),
+        },
         metadata={"submitted_by": "raytrain"},
     )
     if wait:

@@ -26,12 +26,13 @@ from raytrain_app.driver.run_lease import hold_run_lease
 from raytrain_app.driver.shared_storage import check_shared
 from raytrain_app.driver.trainer import run_trainer
 from raytrain_app.errors import BadInputError, RunStoppedError, first_line
+from raytrain_app.planning.batch import steps_per_epoch
 from raytrain_app.planning.environment import (
     Environment,
     apply_ray_train_defaults,
     detect_environment,
 )
-from raytrain_app.planning.rules import TrainingPlan, make_plan, resolve_config, steps_per_epoch
+from raytrain_app.planning.rules import TrainingPlan, make_plan, resolve_config
 from raytrain_app.storage import StorageLocation, is_uri
 from raytrain_app.tracking.loss_plot import LOSS_PLOT_FILE, write_loss_plot
 from raytrain_app.tracking.metrics_log import METRICS_FILE, read_metrics_text

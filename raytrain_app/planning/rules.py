@@ -8,31 +8,13 @@ runs (``raytrain plan``), unit-tested without Ray, and logged once on rank 0.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import asdict, dataclass
 
 from raytrain_app.config import RaytrainConfig
-from raytrain_app.errors import BadInputError
+from raytrain_app.planning.batch import PlanError, plan_batch, scaled_lr
 from raytrain_app.planning.environment import Environment, GpuInfo
 
 logger = logging.getLogger(__name__)
-
-
-class PlanError(BadInputError):
-    """The config cannot be run on these resources; one sentence naming the key to change."""
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How the global batch is split: ``micro_batch * world_size * accum_steps == global``."""
-
-    world_size: int
-    micro_batch: int
-    accum_steps: int
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.world_size * self.accum_steps
 
 
 @dataclass(frozen=True)
@@ -80,42 +62,6 @@ class TrainingPlan:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _nearest_multiples(value: int, step: int) -> list[int]:
-    lower = (value // step) * step
-    return [m for m in (lower, lower + step) if m > 0]
-
-
-def plan_batch(global_batch: int, world_size: int, max_per_worker: int | None) -> BatchPlan:
-    """Split ``global_batch`` over ``world_size`` workers and gradient-accumulation steps.
-
-    Picks the largest micro-batch that divides each worker's share and fits under
-    ``max_per_worker``, so accumulation is used only as much as the memory cap requires.
-    """
-    if global_batch % world_size:
-        suggestions = " or ".join(str(m) for m in _nearest_multiples(global_batch, world_size))
-        raise PlanError(
-            f"train.global_batch_size={global_batch} cannot be split evenly over {world_size} "
-            f"workers; set train.global_batch_size to a multiple of {world_size} "
-            f"(e.g. {suggestions}) or change scaling.num_workers"
-        )
-    per_worker = global_batch // world_size
-    cap = per_worker if max_per_worker is None else min(per_worker, max_per_worker)
-    micro = max(d for d in range(1, cap + 1) if per_worker % d == 0)
-    plan = BatchPlan(world_size=world_size, micro_batch=micro, accum_steps=per_worker // micro)
-    if max_per_worker is not None and micro * 2 <= max_per_worker and plan.accum_steps > 1:
-        better = _nearest_multiples(global_batch, world_size * max_per_worker)
-        logger.warning(
-            "train.global_batch_size=%d over %d workers only splits into micro-batches of %d "
-            "under train.max_batch_per_worker=%d; a global batch of %s would use the full cap",
-            global_batch,
-            world_size,
-            micro,
-            max_per_worker,
-            " or ".join(map(str, better)),
-        )
-    return plan
 
 
 def available_devices(env: Environment, use_gpu: bool, cpus_per_worker: float) -> int:
@@ -273,39 +219,6 @@ def choose_gradient_checkpointing(requested: str | bool) -> bool:
     return requested is True
 
 
-def scaled_lr(lr: float, rule: str, global_batch: int, base_batch: int | None) -> float:
-    """Scale ``lr`` from the batch it was tuned for (``base_batch``) to ``global_batch``."""
-    ratio = global_batch / (base_batch or global_batch)
-    if rule == "linear":
-        return lr * ratio
-    if rule == "sqrt":
-        return lr * math.sqrt(ratio)
-    return lr
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """Multiplier of the peak lr at optimizer ``step``: linear warmup, then cosine decay."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_steps = max(total_steps - warmup_steps, 1)
-    progress = min((step - warmup_steps) / decay_steps, 1.0)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def steps_per_epoch(num_samples: int, global_batch: int) -> int:
-    """Optimizer steps per epoch; the tail that cannot fill a global batch is dropped.
-
-    Dropping (rather than padding) keeps every rank at the same step count and makes each
-    optimizer step see exactly ``global_batch`` distinct samples for any world size.
-    """
-    if num_samples < global_batch:
-        raise PlanError(
-            f"the training set has {num_samples} samples, fewer than train.global_batch_size="
-            f"{global_batch}; lower train.global_batch_size or use more data"
-        )
-    return num_samples // global_batch
-
-
 def loader_workers(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> int:
     """DataLoader processes per training worker: its CPUs minus the one that trains.
 
@@ -328,6 +241,20 @@ def enabled_outputs(cfg: RaytrainConfig) -> list[str]:
     return [name for name, on in names.items() if on] + (["loss.png"] if t.loss_plot else [])
 
 
+def _check_hosting(
+    cfg: RaytrainConfig, env: Environment, use_gpu: bool, world_size: int, preview: bool
+) -> bool:
+    """Whether the workers fit; refuses what never will unless previewing, warns otherwise."""
+    problem = hosting_problem(cfg, env, use_gpu, world_size)
+    if problem is None:
+        return True
+    message, refused = problem
+    if refused and not preview:
+        raise PlanError(message)
+    logger.warning("%s", message)
+    return False
+
+
 def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> TrainingPlan:
     """Resolve every ``auto`` of ``cfg`` against ``env``.
 
@@ -338,12 +265,7 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
     use_gpu = choose_use_gpu(cfg, env)
     strategy = choose_strategy(cfg.distributed.strategy, use_gpu)
     world_size = choose_world_size(cfg, env, use_gpu)
-    problem = hosting_problem(cfg, env, use_gpu, world_size)
-    if problem is not None:
-        message, refused = problem
-        if refused and not preview:
-            raise PlanError(message)
-        logger.warning("%s", message)
+    fits = _check_hosting(cfg, env, use_gpu, world_size, preview)
     cap = cfg.train.max_batch_per_worker
     batch = plan_batch(cfg.train.global_batch_size, world_size, None if cap == "auto" else cap)
     precision, grad_scaler = choose_precision(cfg.precision, use_gpu, env.gpu)
@@ -394,7 +316,7 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
         monitor=cfg.train.monitor,
         monitor_mode=cfg.train.mode,
         tracking=tuple(enabled_outputs(cfg)),
-        fits=problem is None,
+        fits=fits,
     )
 
 

@@ -10,12 +10,13 @@ anywhere else (``AWS_EC2_METADATA_DISABLED`` keeps the SDKs off the metadata add
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +110,24 @@ def start_s3_server(
         server.stop()
         raise
     return server
+
+
+@contextlib.contextmanager
+def s3_for_this_process(bucket: str, log_path: Path | None = None) -> Iterator[S3Server]:
+    """A server on loopback, with this process's AWS_* variables pointing at it (and so its
+    children's, and Ray workers' when the driver passes them on); all put back after."""
+    server = start_s3_server(bucket=bucket, log_path=log_path)
+    saved = {name: os.environ.get(name) for name in server.env()}
+    os.environ.update(server.env())
+    try:
+        yield server
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        server.stop()
 
 
 def make_bucket(endpoint_url: str, bucket: str, timeout_s: float = START_TIMEOUT_S) -> None:

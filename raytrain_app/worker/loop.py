@@ -24,7 +24,8 @@ from raytrain_app.checkpoint.train_state import LoopState, Trainables, load_resu
 from raytrain_app.config import RaytrainConfig, config_from_dict
 from raytrain_app.errors import RunFailedError
 from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
-from raytrain_app.planning.rules import TrainingPlan, steps_per_epoch
+from raytrain_app.planning.batch import steps_per_epoch
+from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import ModelSpec
 from raytrain_app.tracking.metrics_log import MetricsLog
 from raytrain_app.tracking.run_files import RankZeroFiles

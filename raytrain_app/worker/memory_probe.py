@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain_app.errors import RunFailedError
-from raytrain_app.planning.rules import TrainingPlan, plan_batch
+from raytrain_app.planning.batch import plan_batch
+from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import ModelSpec, collate
 from raytrain_app.worker.rank_zero import rank_zero_info
 from raytrain_app.worker.session import to_device

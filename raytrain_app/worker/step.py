@@ -16,7 +16,8 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from raytrain_app.config import TrainConfig
-from raytrain_app.planning.rules import TrainingPlan, lr_factor
+from raytrain_app.planning.batch import lr_factor
+from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import ModelSpec
 from raytrain_app.worker.global_metrics import Averages
 from raytrain_app.worker.model_companions import broadcast_buffers

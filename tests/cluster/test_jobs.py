@@ -15,6 +15,9 @@ import pytest
 import yaml
 from paths import EXAMPLES
 
+from raytrain_app.storage import StorageLocation
+from raytrain_app.testing.s3_server import start_s3_server
+
 pytestmark = pytest.mark.cluster
 
 TINY = {
@@ -68,20 +71,32 @@ def submitted_id(output: str) -> str:
     return match.group(0)
 
 
-def test_a_train_job_succeeds_and_leaves_its_run_directory(ray_head, project, tmp_path):
-    out = tmp_path / "shared_runs"  # "shared storage" as the head sees it
-    result = submit_train(ray_head, project, f"experiment.output_dir={out}")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCEEDED" in result.stdout
-    assert "val_loss" in result.stdout  # the job's own output was streamed back
-    summary = json.loads((out / "job" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["epochs_completed"] == 1
-
-    # The token reached the job (the head's environment) but none of what the job wrote.
-    token = ray_head.token.encode()
-    written = [path for path in (out / "job").rglob("*") if path.is_file()]
-    assert {"config.yaml", "summary.json", "metrics.csv", "meta.json"} <= {p.name for p in written}
-    assert [str(path) for path in written if token in path.read_bytes()] == []
+def test_a_train_job_succeeds_and_leaves_its_run_directory_in_a_bucket(ray_head, project, tmp_path):
+    """The run directory in an object store: the job reaches it with the AWS_* variables
+    of the machine it was submitted from."""
+    s3 = start_s3_server(bucket="jobs", log_path=tmp_path / "moto.log")
+    try:
+        env = {**ray_head.client_env(), **s3.env()}
+        submit = ["submit", "--address", ray_head.dashboard_url, "--", "train"]
+        result = raytrain(
+            [*submit, "--config", "my.yaml", "--set", f"experiment.output_dir={s3.uri('runs')}"],
+            env,
+            project,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "SUCCEEDED" in result.stdout
+        assert "val_loss" in result.stdout  # the job's own output was streamed back
+        run = StorageLocation.parse(s3.uri("runs", "job"), "test")
+        summary = json.loads(run.child("summary.json").read_text())
+        assert summary["world_size"] == 2 and summary["epochs_completed"] == 1
+        # The token reached the job (the head's environment) but none of what it wrote.
+        written = run.list_dir(True, True)
+        names = {Path(item.path).name for item in written}
+        assert {"config.yaml", "summary.json", "metrics.csv", "meta.json"} <= names
+        token = ray_head.token.encode()
+        assert [item.uri for item in written if token in item.read_bytes()] == []
+    finally:
+        s3.stop()
     job_id = submitted_id(result.stdout)
     logs = raytrain(
         ["jobs", "--address", ray_head.dashboard_url, "logs", job_id],

@@ -92,37 +92,31 @@ def test_a_training_job_and_a_sweep_job_share_a_node_without_colliding(one_node)
     assert len(heads) == 2, heads
 
 
-def test_two_nodes_put_one_worker_on_each():
-    cluster = start_cluster(num_nodes=2, cpus=1)
-    try:
-        config = tiny_config(cluster, "spread", workers=2)
-        job_id, code = cluster.sbatch_wait(["--nodes=2", str(SCRIPT), "--config", str(config)])
-        assert code == 0, job_log(cluster, job_id)
-        assert cluster.job_state(job_id) == "COMPLETED"
-        result = summary(cluster, "spread")
-        assert result["world_size"] == 2
-        assert sorted(result["worker_nodes"]) == ["10.77.0.1", "10.77.0.2"]
-    finally:
-        cluster.stop()
-
-
 def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node):
     """SIGUSR1 (what --signal=B:USR1@120 sends before a time limit) mid-run: the training
-    checkpoints at its next step and exits 75, the job is requeued and resumes there."""
+    checkpoints at its next step and exits 75, the job is requeued and resumes there, from
+    a run directory in a bucket; its checkpoint then serves predict and load_model."""
+    s3 = one_node.start_s3("preempt")
+    runs = s3.uri("runs")
     ids = {}
     for name in ("straight", "preempted"):
         config = tiny_config(one_node, name, workers=1)
         data = yaml.safe_load(config.read_text())
+        data["experiment"]["output_dir"] = runs
         data["train"].update({"epochs": 4, "checkpoint_every_steps": 5})
         config.write_text(yaml.safe_dump(data))
         result = one_node.run(
             ["sbatch", "--parsable", "--cpus-per-task=1", str(SCRIPT), "--config", str(config)],
             check=True,
+            env=s3.env(),
         )
         ids[name] = result.stdout.strip()
-    run_dir = one_node.root / "runs" / "preempted"
     deadline = time.monotonic() + 300
-    while not list(run_dir.glob("checkpoints/*/checkpoint_*/manifest.json")):
+    while not [
+        p
+        for p in one_node.list_objects(s3, f"{runs}/preempted/checkpoints")
+        if p.endswith("/manifest.json")
+    ]:
         assert time.monotonic() < deadline, job_log(one_node, ids["preempted"])
         assert one_node.job_state(ids["preempted"]) in ("PENDING", "RUNNING")
         time.sleep(0.2)
@@ -136,7 +130,10 @@ def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node
     assert one_node.job_field(ids["preempted"], "Restarts") == "1", log
     assert "stopped on request (SIGUSR1)" in log and "requeued" in log
     assert "resumed from" in log
-    preempted, straight = summary(one_node, "preempted"), summary(one_node, "straight")
+    preempted, straight = (
+        json.loads(one_node.read_object(s3, f"{runs}/{name}/summary.json"))
+        for name in ("preempted", "straight")
+    )
     assert preempted["status"] == straight["status"] == "completed"
     # The uninterrupted job is the plain one-node case: the plan printed, no token leaked.
     straight_log = job_log(one_node, ids["straight"])
@@ -146,3 +143,27 @@ def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node
     for key, value in straight["final_metrics"].items():
         if key not in ("samples_per_s", "epoch_time_s"):
             assert preempted["final_metrics"][key] == value, key
+    assert not (one_node.root / "runs" / "preempted").exists()  # all of it in the bucket
+
+    # Inference straight from the bucket: the CLI, and load_model into a plain module.
+    checkpoint = preempted["checkpoint"]
+    assert checkpoint.startswith(f"{runs}/preempted/checkpoints/")
+    output = one_node.root / "predictions.parquet"
+    predicted = one_node.run(
+        ["raytrain", "predict", "--checkpoint", checkpoint, "--output", str(output)],
+        env=s3.env(),
+    )
+    assert predicted.returncode == 0 and output.is_file(), predicted.stderr
+    loaded = one_node.run(
+        [
+            "python",
+            "-c",
+            "import sys, torch, raytrain_app as rt; m = rt.load_model(sys.argv[1]); "
+            "print(type(m).__name__, isinstance(m, torch.nn.Module), "
+            "next(m.parameters()).device)",
+            checkpoint,
+        ],
+        env=s3.env(),
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split()[1:] == ["True", "cpu"], loaded.stdout

@@ -1,19 +1,28 @@
-"""The SLURM test cluster's nodes are as separate as real ones: own CPUs, own /tmp and
-/scratch, a shared filesystem, and an S3 server every node reaches."""
+"""Two SLURM nodes as separate as real ones (own CPU, own /tmp and /scratch, a shared
+filesystem, an S3 server both reach), and raytrain on them: one worker per node planned
+against the whole allocation, the run directory in a bucket, a node-local output_dir
+refused before training."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 import uuid
 from pathlib import Path
 
 import pytest
+import yaml
+from paths import ROOT
 from slurm_cluster import SlurmCluster, missing_requirements, start_cluster
 
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements())),
 ]
+
+SCRIPT = ROOT / "cluster" / "slurm" / "raytrain.sbatch"
+# The issue's command: one task of one CPU on each of two nodes, two workers.
+TWO_NODES = ["-N", "2", "--ntasks-per-node=1", "--cpus-per-task=1"]
 
 ON_NODE1 = "srun --nodes=1 --ntasks=1 --nodelist=node1"
 ON_NODE2 = "srun --nodes=1 --ntasks=1 --nodelist=node2"
@@ -51,6 +60,12 @@ def cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def s3(cluster):
+    """One S3 server on node 1 for the module's tests."""
+    return cluster.start_s3("runs")
 
 
 def batch(cluster: SlurmCluster, body: str, *sbatch_args: str, env=None) -> str:
@@ -115,9 +130,7 @@ def test_the_shared_directory_is_common_to_every_node(cluster):
     assert cluster.node_path(0, path) == cluster.node_path(1, path) == path
 
 
-def test_an_object_written_on_node2_is_read_on_node1_through_the_s3_server(cluster):
-    pytest.importorskip("moto")
-    s3 = cluster.start_s3("runs")
+def test_an_object_written_on_node2_is_read_on_node1_through_the_s3_server(cluster, s3):
     assert s3.endpoint_url.startswith(f"http://{cluster.nodes[0].address}:")
     uri = s3.uri("from-node2", "hello.txt")
     out = batch(
@@ -129,3 +142,59 @@ def test_an_object_written_on_node2_is_read_on_node1_through_the_s3_server(clust
         env=s3.env(),
     )
     assert out.splitlines() == ["GOT hello from node2"], out
+
+
+# --------------------------------------------------------------------------- raytrain
+
+
+def train_config(cluster: SlurmCluster, name: str, output_dir: str) -> Path:
+    """The quickstart's synthetic data and model, small, with two workers."""
+    path = cluster.shared / f"{name}.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "experiment": {"name": name, "output_dir": output_dir},
+                "data": {"params": {"num_turbines": 2, "num_hours": 1200, "stride": 4}},
+                "train": {"epochs": 1},
+            }
+        )
+    )
+    return path
+
+
+def test_two_nodes_of_one_cpu_each_train_one_worker_each_into_the_bucket(cluster, s3):
+    """The only storage the two nodes' workers share for the run is the bucket: the
+    synthetic data the driver prepares reaches node 2 through it, and the whole run
+    directory lands there."""
+    config = train_config(cluster, "spread", s3.uri("runs"))
+    args = [*TWO_NODES, str(SCRIPT), "--config", str(config), "--set", "scaling.num_workers=2"]
+    job_id, code = cluster.sbatch_wait(args, env=s3.env())
+    log = (cluster.shared / f"raytrain-{job_id}.out").read_text()
+    assert code == 0 and cluster.job_state(job_id) == "COMPLETED", log
+    summary = json.loads(cluster.read_object(s3, s3.uri("runs", "spread", "summary.json")))
+    assert summary["world_size"] == 2
+    assert sorted(summary["worker_nodes"]) == ["10.77.0.1", "10.77.0.2"]
+    stored = cluster.list_objects(s3, s3.uri("runs", "spread"))
+    for name in ("config.yaml", "metrics.csv", "summary.json", "loss.png"):
+        assert name in stored, stored
+    assert any(p.startswith("data/") and p.endswith(".parquet") for p in stored), stored
+    assert any(p.endswith("/manifest.json") for p in stored if p.startswith("checkpoints/"))
+    assert summary["checkpoint"].startswith("s3://runs/runs/spread/checkpoints/")
+    # Nothing of the run on the shared filesystem or either node's disk.
+    assert not list(cluster.shared.glob("**/spread/config.yaml"))
+    assert not (cluster.shared / "s3:").exists()
+
+
+def test_a_node_local_output_dir_is_refused_before_training(cluster):
+    config = train_config(cluster, "scratch", "/scratch/runs")
+    args = [*TWO_NODES, str(SCRIPT), "--config", str(config), "--set", "scaling.num_workers=2"]
+    job_id, code = cluster.sbatch_wait(args)
+    log = (cluster.shared / f"raytrain-{job_id}.out").read_text()
+    assert code == 2, log
+    assert (
+        "experiment.output_dir '/scratch/runs' is not shared with node 10.77.0.2; use "
+        "a path on a shared filesystem or an object-store URI such as s3://bucket/runs"
+    ) in log
+    assert "Traceback" not in log and "epoch 1/1" not in log
+    for node in range(2):  # nothing written, on either node's disk
+        assert not cluster.node_path(node, "/scratch/runs").exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -182,6 +183,39 @@ def test_a_sigkilled_driver_loses_nothing(reference, tmp_path):
     assert final.returncode == 0, final.stdout + final.stderr
     assert "resumed from" in final.stdout + final.stderr
     _assert_same_as(run_dir, reference)
+
+
+def test_a_second_run_into_the_same_directory_is_refused_while_the_first_writes(tmp_path):
+    """Two `raytrain train` of one experiment.name at once: the second exits 2 naming the
+    first, and the first ends with its own rows and checkpoints only."""
+    cfg = fault_config(tmp_path, "shared", sleep_s=0.05)  # ~2.5 s per epoch
+    cfg["train"]["epochs"] = 8
+    config_file = tmp_path / "shared.yaml"
+    config_file.write_text(yaml.safe_dump(cfg))
+    command = [sys.executable, "-m", "raytrain_app.cli", "train", "--no-progress"]
+    command += ["--config", str(config_file)]
+    run_dir = tmp_path / "shared"
+    with subprocess.Popen(
+        command,
+        env=_cli_env(ray_temp_dir("rt-cli-")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as first:
+        _wait_for_checkpoint_after(run_dir, 0, first)
+        second = subprocess.run(
+            command, env=_cli_env(ray_temp_dir("rt-cli-")), capture_output=True, text=True
+        )
+        assert first.poll() is None, "the first run ended before the second was refused"
+        output, _ = first.communicate(timeout=300)
+    assert second.returncode == 2, second.stdout + second.stderr
+    refusal = second.stderr.strip().splitlines()[-1]
+    assert refusal.startswith(f"error: run directory '{run_dir}' is being written by ")
+    assert f"raytrain train on host {socket.gethostname()} (pid {first.pid}" in refusal
+    assert "Traceback" not in second.stderr
+    assert first.returncode == 0, output
+    assert [row["epoch"] for row in read_metrics(run_dir)] == list(range(1, 9))
+    assert not list(run_dir.glob("checkpoints/*/*-r[0-9]*"))  # no checkpoint written twice
 
 
 # --------------------------------------------------------------------------- compression

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from torch import nn
 
 import raytrain_app as rt
@@ -19,7 +23,9 @@ from raytrain_app.checkpoint.store import MODEL_FILE
 from raytrain_app.data import synthetic_wind
 from raytrain_app.errors import BadInputError
 from raytrain_app.storage import StorageLocation
-from raytrain_app.testing.s3_server import start_s3_server
+from raytrain_app.testing.isolation import ray_temp_dir
+from raytrain_app.testing.processes import stop_processes_naming, wait_until_gone
+from raytrain_app.testing.s3_server import s3_for_this_process
 
 pytestmark = pytest.mark.distributed
 
@@ -34,14 +40,8 @@ def s3(ray_cluster, tmp_path_factory):
     The session's Ray started before they were set, so its workers see them only if the
     driver forwards them, as it must for a running cluster.
     """
-    server = start_s3_server(bucket=BUCKET, log_path=tmp_path_factory.mktemp("s3") / "moto.log")
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in server.env().items():
-            patch.setenv(name, value)
-        try:
-            yield server
-        finally:
-            server.stop()
+    with s3_for_this_process(BUCKET, log_path=tmp_path_factory.mktemp("s3") / "moto.log") as server:
+        yield server
 
 
 def config(output_dir: str, name: str, workers: int = 2, **sections) -> dict:
@@ -151,22 +151,44 @@ def test_parquet_data_in_the_bucket_trains(s3, tmp_path):
     assert (result.run_dir / "summary.json").is_file()
 
 
-def test_a_sweep_writes_its_results_into_the_bucket(s3):
+def test_a_sweep_in_the_bucket_resumes_after_its_driver_is_killed(s3, tmp_path):
+    """`raytrain tune` SIGKILLed mid-sweep (no clean-up at all), then the same command: the
+    sweep resumes from the bucket and writes its results there."""
     cfg = config(s3.uri("sweeps"), "small", workers=1)
-    cfg["train"]["epochs"] = 1
     cfg["tracking"] = {"tensorboard": False}
     cfg["tune"] = {
-        "num_samples": 1,  # x 2 grid values = 2 trials
-        "max_concurrent_trials": 2,
+        "num_samples": 3,
+        "max_concurrent_trials": 1,
         "scheduler": "fifo",
-        "param_space": {"train.lr": {"grid": [1.0e-3, 3.0e-3]}},
+        "param_space": {"train.lr": {"loguniform": [1.0e-3, 3.0e-3]}},
     }
-    result = rt.tune(cfg)
-    assert result.run_dir == s3.uri("sweeps", "small")
-    assert result.best_config_path == s3.uri("sweeps", "small", "best_config.yaml")
+    config_file = tmp_path / "sweep.yaml"
+    config_file.write_text(yaml.safe_dump(cfg))
+    command = [sys.executable, "-m", "raytrain_app.cli", "tune", "--config", str(config_file)]
+    ray_tmp = ray_temp_dir("rt-tune-")
+    # The CLI's own embedded Ray; the AWS_* variables of this process (the s3 fixture) too.
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": ray_tmp}
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        deadline = time.monotonic() + 180
+        while not any(k.endswith("/metrics.csv") for k in keys(s3, "sweeps", "small", "trials")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.5)
+        proc.kill()
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    leftovers = wait_until_gone(ray_tmp, timeout_s=60)
+    stop_processes_naming(ray_tmp)
+    assert not leftovers, "Ray processes outlived their SIGKILLed driver"
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "resuming the sweep" in rerun.stdout + rerun.stderr
     stored = keys(s3, "sweeps", "small")
     assert {"config.yaml", "trials.csv", "best_config.yaml"} <= set(stored), stored
     trials = read(s3, "sweeps", "small", "trials.csv").strip().splitlines()
-    assert len(trials) == 1 + len(result.trials) == 3
-    for trial_id in result.trials["trial_id"]:
-        assert f"trials/{trial_id}/metrics.csv" in stored, stored
+    # FIFO stops nothing early: every trial, the interrupted one too, ran all its epochs.
+    assert len(trials) == 4 and all(row.endswith(f",{EPOCHS},completed,") for row in trials[1:])
+    for row in trials[1:]:
+        assert f"trials/{row.split(',')[0]}/metrics.csv" in stored, stored

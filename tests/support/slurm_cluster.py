@@ -121,6 +121,32 @@ class SlurmCluster:
                 return self.nodes[node].local_dir(local) / path.relative_to(local)
         return path
 
+    def read_object(self, server: S3Server, uri: str) -> str | None:
+        """The text of an object (None when absent), read from node 1 as a job would."""
+        code = (
+            "import sys\nfrom pyarrow import fs\n"
+            "filesystem, path = fs.FileSystem.from_uri(sys.argv[1])\n"
+            "if filesystem.get_file_info(path).type != fs.FileType.File: sys.exit(3)\n"
+            "sys.stdout.write(filesystem.open_input_stream(path).read().decode())\n"
+        )
+        done = self.run(["python", "-c", code, uri], env=server.env(), timeout=60)
+        if done.returncode == 3:
+            return None
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def list_objects(self, server: S3Server, uri: str) -> list[str]:
+        """Every object below ``uri``, as paths relative to it."""
+        code = (
+            "import sys\nfrom pyarrow import fs\n"
+            "filesystem, path = fs.FileSystem.from_uri(sys.argv[1])\n"
+            "selector = fs.FileSelector(path, recursive=True, allow_not_found=True)\n"
+            "for info in filesystem.get_file_info(selector):\n"
+            "    if info.type == fs.FileType.File: print(info.path[len(path) + 1:])\n"
+        )
+        done = self.run(["python", "-c", code, uri], env=server.env(), timeout=60, check=True)
+        return done.stdout.split()
+
     def start_s3(self, bucket: str = "runs", port: int = S3_PORT) -> S3Server:
         """An S3 server in node 1's network namespace on its address, which jobs on every
         node reach at ``server.endpoint_url`` (``server.env()``); so does ``run``. Stopped
@@ -169,13 +195,16 @@ class SlurmCluster:
             check=check,
         )
 
-    def sbatch_wait(self, args: list[str], timeout: float = 400) -> tuple[str, int]:
-        """Submit a job and wait for it to end; returns (job id, its exit code: 128 + the
-        signal's number when a signal ended it, as a shell reports it).
+    def sbatch_wait(
+        self, args: list[str], timeout: float = 400, env: dict[str, str] | None = None
+    ) -> tuple[str, int]:
+        """Submit a job (with ``env`` added to its environment) and wait for it to end;
+        returns (job id, its exit code: 128 + the signal's number when a signal ended it, as
+        a shell reports it).
 
         Polls twice a second: ``sbatch --wait`` backs off to 32 s between its own polls.
         """
-        submitted = self.run(["sbatch", "--parsable", *args], check=True)
+        submitted = self.run(["sbatch", "--parsable", *args], check=True, env=env)
         job_id = submitted.stdout.strip().split(";")[0]
         self.wait_for_jobs([job_id], timeout)
         code, signal_number = (int(x) for x in self.job_field(job_id, "ExitCode").split(":"))

@@ -22,6 +22,7 @@ from raytrain_app.driver import lease_stores, run_lease
 from raytrain_app.driver.lease_stores import LEASE_FILE, FileLeaseStore, LeaseRecord, lease_store
 from raytrain_app.driver.run_lease import hold_run_lease
 from raytrain_app.errors import BadInputError
+from raytrain_app.testing.s3_server import s3_for_this_process
 
 FAST = {"heartbeat_s": 0.05, "stale_after_s": 30.0}  # no test waits for the real minute
 OWNER = re.compile(
@@ -338,17 +339,9 @@ def test_s3_without_boto3_fails_in_one_line_saying_how_to_install_it(monkeypatch
 
 @pytest.fixture(scope="module")
 def s3():
-    """A moto S3 server with one bucket; this process's AWS_* variables point at it."""
-    from raytrain_app.testing.s3_server import start_s3_server
-
-    server = start_s3_server(bucket="leases")
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in server.env().items():
-            patch.setenv(name, value)
-        try:
-            yield server
-        finally:
-            server.stop()
+    """A moto S3 server; this process's AWS_* variables point at it."""
+    with s3_for_this_process("leases") as server:
+        yield server
 
 
 def test_on_s3_a_missing_bucket_fails_in_one_line(s3):

@@ -11,18 +11,17 @@ from contract import PLAN_JSON_KEYS
 from environments import A100, P100, V100, make_env
 
 from raytrain_app.config import config_from_dict
+from raytrain_app.planning.batch import lr_factor, steps_per_epoch
 from raytrain_app.planning.environment import Environment, SlurmInfo, detect_environment
 from raytrain_app.planning.rules import (
     PlanError,
     choose_backend,
     choose_precision,
     choose_strategy,
-    lr_factor,
     make_plan,
     plan_batch,
     resolve_config,
     scaled_lr,
-    steps_per_epoch,
 )
 
 

@@ -11,20 +11,14 @@ import pytest
 
 from raytrain_app.errors import BadInputError
 from raytrain_app.storage import StagingDirectory, StorageLocation, is_uri
-from raytrain_app.testing.s3_server import start_s3_server
+from raytrain_app.testing.s3_server import s3_for_this_process
 
 
 @pytest.fixture(scope="module")
 def s3():
-    """A moto S3 server with one bucket; this process's AWS_* variables point at it."""
-    server = start_s3_server(bucket="unit")
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in server.env().items():
-            patch.setenv(name, value)
-        try:
-            yield server
-        finally:
-            server.stop()
+    """A moto S3 server; this process's AWS_* variables point at it."""
+    with s3_for_this_process("unit") as server:
+        yield server
 
 
 def test_a_local_path_is_made_absolute_and_kept_as_the_users_string(tmp_path, monkeypatch):

@@ -27,7 +27,8 @@ from raytrain_app.driver.training import preflight
 from raytrain_app.errors import BadInputError, RunFailedError
 from raytrain_app.models.resnet_small import ResNetSmall
 from raytrain_app.models.wind_transformer import WindTransformer
-from raytrain_app.planning.rules import PlanError, make_plan
+from raytrain_app.planning.batch import PlanError
+from raytrain_app.planning.rules import make_plan
 from raytrain_app.worker.loop import WorkerLoop
 from raytrain_app.worker.memory_probe import largest_fitting
 from raytrain_app.worker.step import OptimizerStep
