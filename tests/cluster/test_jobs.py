@@ -16,7 +16,7 @@ import yaml
 from paths import EXAMPLES
 
 from raytrain_app.storage import StorageLocation
-from raytrain_app.testing.s3_server import start_s3_server
+from raytrain_app.testing.s3_server import s3_for_this_process
 
 pytestmark = pytest.mark.cluster
 
@@ -74,8 +74,7 @@ def submitted_id(output: str) -> str:
 def test_a_train_job_succeeds_and_leaves_its_run_directory_in_a_bucket(ray_head, project, tmp_path):
     """The run directory in an object store: the job reaches it with the AWS_* variables
     of the machine it was submitted from."""
-    s3 = start_s3_server(bucket="jobs", log_path=tmp_path / "moto.log")
-    try:
+    with s3_for_this_process("jobs", log_path=tmp_path / "moto.log") as s3:
         env = {**ray_head.client_env(), **s3.env()}
         submit = ["submit", "--address", ray_head.dashboard_url, "--", "train"]
         result = raytrain(
@@ -95,8 +94,6 @@ def test_a_train_job_succeeds_and_leaves_its_run_directory_in_a_bucket(ray_head,
         assert {"config.yaml", "summary.json", "metrics.csv", "meta.json"} <= names
         token = ray_head.token.encode()
         assert [item.uri for item in written if token in item.read_bytes()] == []
-    finally:
-        s3.stop()
     job_id = submitted_id(result.stdout)
     logs = raytrain(
         ["jobs", "--address", ray_head.dashboard_url, "logs", job_id],

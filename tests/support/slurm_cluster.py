@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from paths import ROOT
+
 from raytrain_app.testing.isolation import isolated_env
 from raytrain_app.testing.s3_server import S3Server, start_s3_server
 
@@ -296,6 +298,18 @@ def _slurm_conf(root: Path, nodes: list[Node], cpus: int, ports: dict[str, int])
     return "\n".join(lines) + "\n"
 
 
+def _kept_paths() -> list[Path]:
+    """The repository and this interpreter's environment, where a node-local path holds
+    them on this machine (a clone under /tmp); outermost only."""
+    candidates = sorted({ROOT, Path(sys.prefix)}, key=lambda p: len(p.parts))
+    kept: list[Path] = []
+    for path in candidates:
+        local = any(path.is_relative_to(d) for d in NODE_LOCAL_DIRS)
+        if local and not any(path.is_relative_to(k) for k in kept):
+            kept.append(path)
+    return kept
+
+
 def _node_script(root: Path, node: Node, first: bool, alone: bool) -> Path:
     """The services one node runs, started by its PID 1."""
     munge = (
@@ -317,7 +331,16 @@ def _node_script(root: Path, node: Node, first: bool, alone: bool) -> Path:
         if alone
         else ""
     )
-    mounts = [f"mount --bind {node.local_dir(path)} {path}" for path in NODE_LOCAL_DIRS]
+    # What every node must see although it lives under a node-local path on this machine (a
+    # checkout and its venv under /tmp): bound into the node's own directory first, so the
+    # recursive bind below carries it along.
+    mounts = []
+    for kept in _kept_paths():
+        local = next(path for path in NODE_LOCAL_DIRS if kept.is_relative_to(path))
+        inside = node.local_dir(local) / kept.relative_to(local)
+        inside.mkdir(parents=True, exist_ok=True)
+        mounts.append(f"mount --bind {kept} {inside}")
+    mounts += [f"mount --rbind {node.local_dir(path)} {path}" for path in NODE_LOCAL_DIRS]
     local_mounts = " && ".join(mounts) + " || exit 1"  # no node rather than a node on /tmp
     script = root / f"start-{node.name}.sh"
     script.write_text(
