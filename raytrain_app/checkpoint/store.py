@@ -12,7 +12,9 @@ A checkpoint directory holds:
   and the resolved run config, so ``load_model`` needs nothing but the directory;
 - ``manifest.json``, written last: every other file's size and SHA-256. A checkpoint
   whose manifest is missing or disagrees with the files was torn or corrupted, and is
-  never loaded: resumes fall back to the next older valid checkpoint.
+  never loaded: resumes fall back to the next older valid checkpoint;
+- with ``distributed.strategy: fsdp`` also the sharded resumable state, one file per rank
+  (``sharded.py``); ``train_state.pt`` then holds no optimizer state.
 """
 
 from __future__ import annotations
@@ -85,13 +87,21 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def write_manifest(directory: Path) -> None:
-    """Record every file's size and checksum; written last, so its presence means complete."""
-    files = {
+def file_digests(directory: Path) -> dict[str, dict[str, Any]]:
+    """Every file's size and SHA-256, by name, as ``manifest.json`` lists them."""
+    return {
         p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(directory.iterdir())
         if p.is_file() and p.name != MANIFEST_FILE
     }
+
+
+def write_manifest(directory: Path, other_files: dict[str, Any] | None = None) -> None:
+    """Record every file's size and checksum; written last, so its presence means complete.
+
+    ``other_files``: digests of files that other ranks write into the same checkpoint.
+    """
+    files = {**(other_files or {}), **file_digests(directory)}
     tmp = directory / (MANIFEST_FILE + ".tmp")
     tmp.write_text(json.dumps({"format": 1, "files": files}, indent=2))
     os.replace(tmp, directory / MANIFEST_FILE)
@@ -147,20 +157,29 @@ def is_valid_checkpoint(directory: Path) -> bool:
 def save_checkpoint(
     directory: Path,
     *,
-    model: nn.Module,
+    model: nn.Module | dict[str, Any],
     train_state: dict[str, Any],
     meta: dict[str, Any],
-    ema: nn.Module | None = None,
+    ema: nn.Module | dict[str, Any] | None = None,
+    other_files: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a checkpoint into ``directory`` (created if needed), manifest last."""
+    """Write a checkpoint into ``directory`` (created if needed), manifest last.
+
+    ``model`` and ``ema``: modules, or their plain state dicts (a sharded model's, gathered);
+    ``other_files``: digests of the files other ranks add to the checkpoint.
+    """
     directory.mkdir(parents=True, exist_ok=True)
-    _atomic_torch_save(unwrap_model(model).state_dict(), directory / MODEL_FILE)
+    _atomic_torch_save(_plain_state(model), directory / MODEL_FILE)
     if ema is not None:
-        _atomic_torch_save(unwrap_model(ema).state_dict(), directory / EMA_FILE)
+        _atomic_torch_save(_plain_state(ema), directory / EMA_FILE)
     _atomic_torch_save(train_state, directory / TRAIN_STATE_FILE)
     (directory / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
-    write_manifest(directory)
+    write_manifest(directory, other_files)
     return directory
+
+
+def _plain_state(model: nn.Module | dict[str, Any]) -> dict[str, Any]:
+    return model if isinstance(model, dict) else unwrap_model(model).state_dict()
 
 
 def _progress_key(directory: Path) -> tuple[int, int, float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,20 +19,23 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
+from raytrain_app.checkpoint import sharded
 from raytrain_app.checkpoint import store as ckpt
+from raytrain_app.errors import BadInputError
 
 logger = logging.getLogger(__name__)
 
 
 def rng_state() -> dict[str, Any]:
-    """This process's random generator states (torch, CUDA, numpy, python)."""
+    """This process's random generator states (torch, numpy, python, and the CUDA state of
+    this worker's own device: a resume may see another number of GPUs)."""
     state = {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
         "python": random.getstate(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -41,7 +45,26 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        device = torch.cuda.current_device()
+        restore_cuda_rng(state["cuda"], device, lambda s: torch.cuda.set_rng_state(s, device))
+
+
+def restore_cuda_rng(
+    saved: torch.Tensor | list[torch.Tensor], device: int, set_state: Callable[[torch.Tensor], Any]
+) -> None:
+    """Restore this worker's CUDA generator (``device``, its index) with ``set_state``.
+
+    ``saved`` is the state of the device the worker had (or, in checkpoints of earlier
+    versions, a list with every GPU that worker saw, its own at its device index). A
+    resume on another layout (a requeue onto another node, fewer GPUs) finds no entry for
+    a device index the list lacks: that worker's CUDA stream restarts from the seed.
+    """
+    if isinstance(saved, torch.Tensor):
+        set_state(saved)
+    elif device < len(saved):
+        set_state(saved[device])
+    else:
+        logger.info("no saved CUDA random state for device %d: its stream restarts", device)
 
 
 @dataclass
@@ -75,26 +98,42 @@ def save_resumable(
     meta: dict[str, Any],
 ) -> None:
     """Write a checkpoint of ``trainables`` and ``state``; ``ranks`` holds every rank's
-    ``{"rng": ..., "epoch": ...}`` (gathered by the caller)."""
+    ``{"rng": ..., "epoch": ...}`` (gathered by the caller). A sharded (FSDP) model's
+    checkpoint is written by every rank, each its part (``sharded.py``); any other by
+    rank 0 alone."""
     t = trainables
+    if sharded.is_sharded(t.model):
+        sharded.save_sharded(
+            directory,
+            model=t.model,
+            optimizer=t.optimizer,
+            ema=t.ema.module if t.ema is not None else None,
+            train_state=_loop_state(t, state, ranks),
+            meta=meta,
+        )
+        return
     ckpt.save_checkpoint(
         directory,
         model=t.model,
-        train_state={
-            "optimizer": t.optimizer.state_dict(),
-            "scheduler": t.scheduler.state_dict(),
-            "scaler": t.scaler.state_dict(),
-            "epoch": state.epoch,
-            "step": state.step,
-            "step_in_epoch": state.step_in_epoch,
-            "skipped_steps": state.skipped_steps,
-            "history": state.history,
-            "ranks": ranks,
-            "ema_n_averaged": int(t.ema.n_averaged) if t.ema is not None else 0,
-        },
+        train_state={"optimizer": t.optimizer.state_dict(), **_loop_state(t, state, ranks)},
         meta=meta,
         ema=t.ema.module if t.ema is not None else None,
     )
+
+
+def _loop_state(t: Trainables, state: LoopState, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """What train_state.pt holds besides the optimizer."""
+    return {
+        "scheduler": t.scheduler.state_dict(),
+        "scaler": t.scaler.state_dict(),
+        "epoch": state.epoch,
+        "step": state.step,
+        "step_in_epoch": state.step_in_epoch,
+        "skipped_steps": state.skipped_steps,
+        "history": state.history,
+        "ranks": ranks,
+        "ema_n_averaged": int(t.ema.n_averaged) if t.ema is not None else 0,
+    }
 
 
 @dataclass
@@ -133,14 +172,13 @@ def load_resumable(
     directory = ckpt.usable_checkpoint(directory)
     saved = ckpt.load_train_state(directory)
     t = trainables
-    t.module.load_state_dict(
-        torch.load(directory / ckpt.MODEL_FILE, map_location=device, weights_only=True)
-    )
-    ema_file = directory / ckpt.EMA_FILE
-    if t.ema is not None and ema_file.is_file():
-        t.ema.module.load_state_dict(torch.load(ema_file, map_location=device, weights_only=True))
+    if sharded.has_sharded_state(directory):  # written by FSDP: DCP reshards it
+        ema = t.ema.module if t.ema is not None else None
+        sharded.load_sharded(directory, model=t.model, optimizer=t.optimizer, ema=ema)
+    else:
+        _load_plain(directory, t, saved, device)
+    if t.ema is not None and (directory / ckpt.EMA_FILE).is_file():
         t.ema.n_averaged.fill_(saved["ema_n_averaged"])
-    t.optimizer.load_state_dict(saved["optimizer"])
     t.scheduler.load_state_dict(saved["scheduler"])
     # The current plan's lr wins over the saved one: equal on a plain resume, different
     # when a Tune PBT trial continues a better trial's checkpoint with a mutated lr.
@@ -154,6 +192,25 @@ def load_resumable(
         skipped_steps=saved["skipped_steps"],
     )
     return Resumed(directory, state, saved["ranks"])
+
+
+def _load_plain(
+    directory: Path, t: Trainables, saved: dict[str, Any], device: torch.device
+) -> None:
+    """A checkpoint written by rank 0 alone (DDP, one worker) into ``t``."""
+    if sharded.is_sharded(t.model):
+        raise BadInputError(
+            f"checkpoint '{directory}' was not written with distributed.strategy=fsdp, so "
+            f"its optimizer state cannot be sharded; resume with the strategy it was "
+            f"written with, or start a new run (experiment.name)"
+        )
+    t.module.load_state_dict(
+        torch.load(directory / ckpt.MODEL_FILE, map_location=device, weights_only=True)
+    )
+    ema_file = directory / ckpt.EMA_FILE
+    if t.ema is not None and ema_file.is_file():
+        t.ema.module.load_state_dict(torch.load(ema_file, map_location=device, weights_only=True))
+    t.optimizer.load_state_dict(saved["optimizer"])
 
 
 def merged_epoch_progress(saved: list[dict[str, Any]], rank: int) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Putting a checkpoint into the run's storage so that a kill mid-copy never leaves a torn
-one under a real name (Ray Train's ``checkpoint_upload_fn``, run in the reporting worker)."""
+one under a real name (Ray Train's ``checkpoint_upload_fn``, run in the reporting worker,
+or in every worker when each reports its part of a sharded checkpoint)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,68 @@ from raytrain_app.checkpoint.store import MANIFEST_FILE
 # Filesystems that rename a directory at once. Object stores (S3, GCS) have no directories
 # to rename: a "rename" copies every object, and pyarrow's S3 refuses it for a directory.
 _RENAMING_FILESYSTEMS = ("local", "hdfs")
+
+
+def upload_shards_atomically(checkpoint: Any, name: str) -> Any:
+    """``upload_atomically`` for a checkpoint that every rank reports a part of (FSDP's
+    shards, ``sharded.py``), run by every rank inside ``ray.train.report``.
+
+    Rank 0 chooses the name; every rank copies its files into one ``.partial`` directory
+    (Ray's controller wants one path from all ranks); once all have, rank 0 renames it (or,
+    on an object store, puts its manifest last), so the checkpoint appears whole or not
+    at all wherever the ranks run.
+    """
+    import pyarrow.fs
+    import ray.train
+    import torch.distributed as dist
+
+    storage = ray.train.get_context().get_storage()
+    fs = storage.storage_filesystem
+    chosen = [_free_path(storage, fs, name) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(chosen, src=0)
+    final = chosen[0]
+    renaming = fs.type_name in _RENAMING_FILESYSTEMS
+    target = final + ".partial" if renaming else final
+    if dist.get_rank() == 0 and renaming:
+        if fs.get_file_info(target).type != pyarrow.fs.FileType.NotFound:
+            fs.delete_dir(target)  # left by a worker killed mid-copy
+        fs.create_dir(target)
+    dist.barrier()
+    source = Path(checkpoint.path)
+    files = sorted(p for p in source.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
+    for file in files:
+        _copy_file(file, f"{target}/{file.name}", checkpoint.filesystem, fs)
+    dist.barrier()  # every rank's files are in place
+    if dist.get_rank() == 0:
+        if (source / MANIFEST_FILE).is_file():
+            _copy_file(
+                source / MANIFEST_FILE, f"{target}/{MANIFEST_FILE}", checkpoint.filesystem, fs
+            )
+        if renaming:
+            fs.move(target, final)
+    dist.barrier()  # reported only once it is complete under its name
+    return ray.train.Checkpoint(final, filesystem=fs)
+
+
+def _free_path(storage: Any, fs: Any, name: str) -> str:
+    """Where the checkpoint ``name`` goes; a name already taken (the same step written again
+    after a restart from an older checkpoint) gets ``-rN``, so Ray's bookkeeping never
+    holds two entries for one directory."""
+    import pyarrow.fs
+
+    final, attempt = storage.build_checkpoint_path_from_name(name), 1
+    while fs.get_file_info(final).type != pyarrow.fs.FileType.NotFound:
+        final = storage.build_checkpoint_path_from_name(f"{name}-r{attempt}")
+        attempt += 1
+    return final
+
+
+def _copy_file(file: Path, destination: str, source_fs: Any, fs: Any) -> None:
+    import pyarrow.fs
+
+    pyarrow.fs.copy_files(
+        str(file), destination, source_filesystem=source_fs, destination_filesystem=fs
+    )
 
 
 def upload_atomically(checkpoint: Any, name: str) -> Any:
@@ -25,13 +88,7 @@ def upload_atomically(checkpoint: Any, name: str) -> Any:
 
     storage = ray.train.get_context().get_storage()
     fs = storage.storage_filesystem
-    final = storage.build_checkpoint_path_from_name(name)
-    # The same step written again (after a restart from an older checkpoint): a new name,
-    # so Ray's bookkeeping never holds two entries for one directory.
-    attempt = 1
-    while fs.get_file_info(final).type != pyarrow.fs.FileType.NotFound:
-        final = storage.build_checkpoint_path_from_name(f"{name}-r{attempt}")
-        attempt += 1
+    final = _free_path(storage, fs, name)
     if fs.type_name not in _RENAMING_FILESYSTEMS:
         return _upload_manifest_last(checkpoint, final, fs)
     partial = final + ".partial"

@@ -130,8 +130,11 @@ class DistributedConfig(_Section):
 
     strategy: Literal["auto", "ddp", "single", "fsdp", "dp"] = Field(
         "auto",
-        description="Parallel strategy: ddp (auto), single (one unwrapped worker), fsdp (GPUs "
-        "only); dp is refused because DDP replaces it.",
+        description="Parallel strategy: ddp (auto), single (one unwrapped worker), fsdp "
+        "(FSDP2 on GPUs or CPUs: the blocks a model's fsdp_blocks() returns, else every "
+        "parameter-holding item of an nn.ModuleList/nn.Sequential, else the root's children, "
+        "then the root; sharded optimizer state and checkpoints, any world size on resume); "
+        "dp is refused because DDP replaces it.",
     )
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto",

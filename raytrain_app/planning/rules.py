@@ -59,6 +59,9 @@ class TrainingPlan:
     tracking: tuple[str, ...]  # outputs besides metrics.csv (tensorboard, mlflow, ...)
     # Whether the target (machine, SLURM allocation, Ray cluster) can host the workers now.
     fits: bool = True
+    # The most samples one forward may take on a worker: train.max_batch_per_worker, or
+    # after the memory probe what fits; None: no cap. Validation batches stay within it.
+    max_batch_per_worker: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -169,17 +172,20 @@ def choose_backend(requested: str, use_gpu: bool) -> str:
     return requested
 
 
-def choose_strategy(requested: str, use_gpu: bool) -> str:
-    """ddp (through ``prepare_model``), single (no wrapping) or fsdp."""
+def choose_strategy(requested: str, grad_compression: str = "none") -> str:
+    """ddp (through ``prepare_model``), single (no wrapping) or fsdp (FSDP2, on GPUs and
+    CPUs alike)."""
     if requested == "dp":
         raise PlanError(
             "distributed.strategy=dp (torch DataParallel) is not supported: DDP replaces it "
             "with one process per device and is faster; set distributed.strategy to auto or ddp"
         )
-    if requested == "fsdp" and not use_gpu:
+    if requested == "fsdp" and grad_compression != "none":
+        # Compression hooks wrap DDP's all-reduce; FSDP reduce-scatters instead.
         raise PlanError(
-            "distributed.strategy=fsdp needs GPUs; set distributed.strategy to auto or ddp "
-            "for CPU training"
+            f"distributed.grad_compression={grad_compression} compresses DDP's all-reduce and "
+            f"does not apply to distributed.strategy=fsdp; set distributed.grad_compression=none "
+            f"or distributed.strategy=ddp"
         )
     return "ddp" if requested == "auto" else requested
 
@@ -263,7 +269,7 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
             target cannot host them, as ``raytrain plan`` does; otherwise that is an error.
     """
     use_gpu = choose_use_gpu(cfg, env)
-    strategy = choose_strategy(cfg.distributed.strategy, use_gpu)
+    strategy = choose_strategy(cfg.distributed.strategy, cfg.distributed.grad_compression)
     world_size = choose_world_size(cfg, env, use_gpu)
     fits = _check_hosting(cfg, env, use_gpu, world_size, preview)
     cap = cfg.train.max_batch_per_worker
@@ -317,6 +323,7 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
         monitor_mode=cfg.train.mode,
         tracking=tuple(enabled_outputs(cfg)),
         fits=fits,
+        max_batch_per_worker=None if cap in (None, "auto") else cap,
     )
 
 

@@ -1,11 +1,12 @@
 """``raytrain tune``: Ray Tune sweeps whose trials are single workers running the train loop.
 
 Each trial is a plain Tune function trainable that runs ``loop.WorkerLoop`` itself on one
-device (one GPU, or one CPU here), with no DDP inside a trial: trials run side by side,
-one per device. (A TorchTrainer per trial is several times slower on a small machine and
-can deadlock on trial resources: benchmarks/README.md.) The best trial becomes
-``best_config.yaml``, a complete train config that keeps the trial's global batch and lr
-whatever the number of workers it is later trained on.
+device (a GPU, or CPUs), with no DDP inside a trial: trials run side by side, each
+reserving ``scaling.cpus_per_worker`` and ``scaling.gpus_per_worker`` (a fraction packs
+several small trials onto one GPU). (A TorchTrainer per trial is several times slower
+on a small machine and can deadlock on trial resources: benchmarks/README.md.) The best
+trial becomes ``best_config.yaml``, a complete train config that keeps the trial's global
+batch and lr whatever the number of workers it is later trained on.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import ray
 from ray import tune
 
 from raytrain_app.checkpoint.ranking import checkpoint_retention
@@ -45,7 +47,13 @@ from raytrain_app.planning.environment import (
     detect_environment,
     storage_env_vars,
 )
-from raytrain_app.planning.rules import available_devices, choose_use_gpu, make_plan, resolve_config
+from raytrain_app.planning.rules import (
+    PlanError,
+    available_devices,
+    choose_use_gpu,
+    make_plan,
+    resolve_config,
+)
 from raytrain_app.storage import StorageLocation
 from raytrain_app.sweep.search_space import build_search_space, trial_config
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
@@ -86,7 +94,8 @@ def single_worker(cfg: RaytrainConfig) -> RaytrainConfig:
 
 
 def trial_environment(env: Environment, cfg: RaytrainConfig, use_gpu: bool) -> Environment:
-    """What one trial sees: exactly the device Tune reserved for it."""
+    """What one trial sees: exactly the device Tune reserved for it (one GPU, which
+    trials reserving a fraction of it share)."""
     return env.with_resources(
         Resources(
             cpus=cfg.scaling.cpus_per_worker,
@@ -94,6 +103,51 @@ def trial_environment(env: Environment, cfg: RaytrainConfig, use_gpu: bool) -> E
             nodes=1,
             source="this machine",
         )
+    )
+
+
+def trial_resources(cfg: RaytrainConfig, use_gpu: bool) -> dict[str, float]:
+    """What Tune reserves for one trial: ``scaling.cpus_per_worker`` and, on GPUs,
+    ``scaling.gpus_per_worker``; a fraction packs several small trials onto one GPU."""
+    resources = {"cpu": cfg.scaling.cpus_per_worker}
+    if use_gpu:
+        resources["gpu"] = cfg.scaling.gpus_per_worker
+    return resources
+
+
+def concurrent_trials(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> int:
+    """How many trials the resources host at once: by CPUs and, on GPUs, by GPU shares.
+
+    Ray places a fraction of a GPU on one GPU, never across two: shares of 0.3 fit 3
+    trials on a GPU, not 3.33.
+    """
+    cpu_slots = available_devices(env, False, cfg.scaling.cpus_per_worker)
+    if not use_gpu:
+        return cpu_slots
+    share, gpus = cfg.scaling.gpus_per_worker, int(env.resources.gpus)
+    # The epsilon absorbs float division (1 / 0.1 is 10.000000000000002, 1 / 0.3 below 3.34).
+    gpu_slots = gpus * math.floor(1 / share + 1e-9) if share <= 1 else int(gpus / share + 1e-9)
+    return min(cpu_slots, gpu_slots)
+
+
+def check_trial_slots(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> None:
+    """Refuse trials that can never run here; warn when a cluster has no room for one yet.
+
+    Raises:
+        PlanError: one trial needs more GPUs than this machine or SLURM allocation has.
+    """
+    if concurrent_trials(cfg, env, use_gpu) > 0:
+        return
+    needs = f"scaling.gpus_per_worker={cfg.scaling.gpus_per_worker:g}"
+    if env.resources.source != "ray cluster":  # a machine or an allocation never grows
+        raise PlanError(
+            f"{needs} is more GPUs than one trial can have on {env.resources.source} "
+            f"({env.resources.gpus:g} GPUs); lower scaling.gpus_per_worker"
+        )
+    logger.warning(
+        "%s is more GPUs than the cluster has free now (%g); trials start once it has grown",
+        needs,
+        env.resources.gpus,
     )
 
 
@@ -174,10 +228,13 @@ def _search_algorithm(cfg: RaytrainConfig) -> Any:
 
 
 def _check_sweep(cfg: RaytrainConfig, env: Environment) -> dict[str, Any]:
-    """Every check that needs no Ray: the space, and the single-worker plan of the base."""
+    """Every check of the sweep against ``env`` (this machine, or the connected cluster):
+    the space, the single-worker plan of the base, and room for a trial."""
     space = build_search_space(cfg)
     base = single_worker(cfg)
-    make_plan(base, trial_environment(env, base, choose_use_gpu(base, env)))
+    use_gpu = choose_use_gpu(base, env)
+    make_plan(base, trial_environment(env, base, use_gpu))
+    check_trial_slots(base, env, use_gpu)
     _scheduler(cfg, space)
     _search_algorithm(cfg)
     return space
@@ -185,9 +242,6 @@ def _check_sweep(cfg: RaytrainConfig, env: Environment) -> dict[str, Any]:
 
 def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environment) -> Any:
     use_gpu = choose_use_gpu(cfg, env)
-    resources = {"cpu": cfg.scaling.cpus_per_worker}
-    if use_gpu:
-        resources["gpu"] = 1
     trainable = tune.with_resources(
         tune.with_parameters(
             run_trial,
@@ -197,7 +251,7 @@ def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environ
             run_dir=run_dir.location.uri,
             storage_env=storage_env_vars(),
         ),
-        resources,
+        trial_resources(cfg, use_gpu),
     )
     # Ray's own storage: a path in the filesystem, and the filesystem unless it is local.
     filesystem = None if run_dir.location.is_local else run_dir.location.filesystem
@@ -212,9 +266,8 @@ def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environ
             param_space=space,
             storage_filesystem=filesystem,
         )
-    concurrency = cfg.tune.max_concurrent_trials or available_devices(
-        env, use_gpu, cfg.scaling.cpus_per_worker
-    )
+    # At least 1: a cluster without room yet (check_trial_slots warned) grows into it.
+    concurrency = cfg.tune.max_concurrent_trials or max(1, concurrent_trials(cfg, env, use_gpu))
     tune_config = tune.TuneConfig(
         metric=cfg.tune.metric,
         mode=cfg.tune.mode,
@@ -304,27 +357,28 @@ def tune_sweep(cfg: RaytrainConfig, *, address: str | None = None) -> TuneResult
     """
     check_sources(cfg.model, cfg.data)  # a wrong target or data path fails before Ray starts
     env = detect_environment()
-    space = _check_sweep(cfg, env)
+    if not (address or env.ray_address or ray.is_initialized()):
+        # Ray will run on this machine: check against it first, so bad input fails in a
+        # second instead of after Ray's start-up. A cluster (its GPUs) is checked once
+        # connected: the driver may sit on a CPU-only login or head node.
+        _check_sweep(cfg, env)
     run_dir = RunDirectory.for_config(cfg)
     run_dir.check_resumable(cfg)
-    # One writer at a time; a second train or tune of this directory exits 2 here.
-    with hold_run_lease(run_dir.location.uri, "tune"):
-        return _sweep(cfg, space, run_dir, env, address)
+    with ray_session(address, env) as cluster_env:
+        space = _check_sweep(cfg, cluster_env)
+        # One writer at a time; a second train or tune of this directory exits 2 here.
+        with hold_run_lease(run_dir.location.uri, "tune"):
+            return _sweep(cfg, space, run_dir, cluster_env)
 
 
 def _sweep(
-    cfg: RaytrainConfig,
-    space: dict[str, Any],
-    run_dir: RunDirectory,
-    env: Environment,
-    address: str | None,
+    cfg: RaytrainConfig, space: dict[str, Any], run_dir: RunDirectory, cluster_env: Environment
 ) -> TuneResult:
-    """Run the sweep on Ray, then write trials.csv and best_config.yaml."""
-    with ray_session(address, env) as cluster_env:
-        if run_dir.location.is_local:  # trials on other nodes write there too
-            check_shared(run_dir.location.local_path.parent, cfg.experiment.output_dir)
-        run_dir.write_config(cfg)
-        grid, interrupted = _fit_noting_interrupt(_tuner(cfg, space, run_dir, cluster_env))
+    """Run the sweep on the connected Ray, then write trials.csv and best_config.yaml."""
+    if run_dir.location.is_local:  # trials on other nodes write there too
+        check_shared(run_dir.location.local_path.parent, cfg.experiment.output_dir)
+    run_dir.write_config(cfg)
+    grid, interrupted = _fit_noting_interrupt(_tuner(cfg, space, run_dir, cluster_env))
     keys = list(space)
     trials = pd.DataFrame([_trial_row(r, keys, cfg, interrupted) for r in grid])
     trials_file = run_dir.at(TRIALS_FILE)

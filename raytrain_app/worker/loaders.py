@@ -92,9 +92,12 @@ def build_worker_loaders(
     )
     # Validation shards without padding so that every sample counts exactly once.
     val_shard = Subset(val_set, range(rank, len(val_set), world_size))
-    # Without gradients a worker's whole share fits, unless a memory probe measured
-    # the micro-batch: then validation stays within what was measured.
-    val_batch = plan.per_worker_batch_size * (1 if plan.memory_probe else plan.grad_accum_steps)
+    # Without gradients a worker's whole share of the global batch at once, but never more
+    # than the memory cap (train.max_batch_per_worker, or what the memory probe measured):
+    # a forward of the accumulated batch would not fit where its micro-batches barely do.
+    val_batch = plan.per_worker_batch_size * plan.grad_accum_steps
+    if plan.max_batch_per_worker is not None:
+        val_batch = min(val_batch, plan.max_batch_per_worker)
     val = DataLoader(val_shard, batch_size=val_batch, **loader_kwargs)
     return WorkerLoaders(
         train=prepare(train),

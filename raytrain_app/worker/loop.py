@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from raytrain_app.checkpoint.ranking import check_monitor
+from raytrain_app.checkpoint.sharded import is_sharded
 from raytrain_app.checkpoint.train_state import LoopState, Trainables, load_resumable
 from raytrain_app.config import RaytrainConfig, config_from_dict
 from raytrain_app.errors import RunFailedError
@@ -30,6 +31,7 @@ from raytrain_app.protocol import ModelSpec
 from raytrain_app.tracking.metrics_log import MetricsLog
 from raytrain_app.tracking.run_files import RankZeroFiles
 from raytrain_app.tracking.trackers import Tracker, open_tracker
+from raytrain_app.worker.fsdp import equal_forwards
 from raytrain_app.worker.global_metrics import Averages, EpochProgress, gather
 from raytrain_app.worker.loaders import WorkerLoaders, build_worker_loaders
 from raytrain_app.worker.model_companions import broadcast_buffers
@@ -259,30 +261,44 @@ class WorkerLoop:
         progress = EpochProgress(self.device, self._resumed_epoch)
         self._resumed_epoch = None
         start = time.perf_counter()
+        pending: _PendingFlags | None = None  # the previous step's, read one step late
         for step_in_epoch in range(first_step, self.steps_per_epoch):
             outcome = self.stepper.forward_backward(
                 batches, self._stop or self.stop_request.requested()
             )
-            self._stop = outcome.stop
             self._note_metric_names(outcome)
-            if outcome.nonfinite:
-                self._skip_nonfinite_step(epoch, step_in_epoch, outcome)
-                progress.skipped_steps += 1
-            else:
+            where = self._where(epoch, step_in_epoch)
+            if pending is not None:  # its copy finished while this step was queued
+                self._settle(pending)
+            pending = _PendingFlags(outcome, where)
+            # on_nonfinite=skip must know before the update; otherwise the flags are read
+            # one step late where reading them waits for the device (step_agreement.py).
+            late = outcome.flags.read_late and self.cfg.train.on_nonfinite == "stop"
+            if not late:
+                self._settle(pending)
+                pending = None
+            if late or not outcome.flags.nonfinite:
                 outcome.add_to(progress.averages)
                 self.stepper.apply(self.state.step + 1)
-                self.state.step += 1
+            else:
+                self._skip_nonfinite_step(where, outcome)
+                progress.skipped_steps += 1
+            self.state.step += 1
             self.state.step_in_epoch = step_in_epoch + 1
             elapsed = progress.elapsed_s + time.perf_counter() - start
             self._after_step(epoch, outcome.last_loss, elapsed)
-            if self.state.step_in_epoch < self.steps_per_epoch and (
-                self._stop or self._step_checkpoint_due()
-            ):
+            checkpoint_due = self._step_checkpoint_due()
+            if pending is not None and (checkpoint_due or self._stop):  # before any report
+                self._settle(pending)
+                pending = None
+            if self.state.step_in_epoch < self.steps_per_epoch and (self._stop or checkpoint_due):
                 progress.elapsed_s += time.perf_counter() - start
                 start = time.perf_counter()
                 self.report_mid_epoch(progress)
                 if self._stop:
                     return None
+        if pending is not None:  # before validation and the epoch's report
+            self._settle(pending)
         progress.elapsed_s += time.perf_counter() - start
         self.state.step_in_epoch = 0
         return self._epoch_row(epoch, progress)
@@ -292,20 +308,26 @@ class WorkerLoop:
             check_monitor(self.cfg.train.monitor, outcome.metric_names)
         self._metric_names = outcome.metric_names
 
-    def _skip_nonfinite_step(self, epoch: int, step_in_epoch: int, outcome: StepOutcome) -> None:
-        where = (
+    def _where(self, epoch: int, step_in_epoch: int) -> str:
+        """The step about to be taken, as an error or a log line names it."""
+        return (
             f"step {self.state.step + 1} (epoch {epoch + 1}, step {step_in_epoch + 1} of "
             f"{self.steps_per_epoch})"
         )
-        if self.cfg.train.on_nonfinite == "stop":
-            # Raised on every rank before the optimizer step and before any checkpoint.
+
+    def _settle(self, pending: _PendingFlags) -> None:
+        """Act on a step's agreed flags, identical on every rank: stop after this step; a
+        non-finite loss with on_nonfinite=stop ends the run before any checkpoint."""
+        self._stop = self._stop or pending.outcome.flags.stop
+        if pending.outcome.flags.nonfinite and self.cfg.train.on_nonfinite == "stop":
             raise NonFiniteLossError(
-                f"training loss became non-finite at {where}; lower train.lr, enable "
+                f"training loss became non-finite at {pending.where}; lower train.lr, enable "
                 f"train.grad_clip, check the data for NaNs, or set train.on_nonfinite=skip"
             )
+
+    def _skip_nonfinite_step(self, where: str, outcome: StepOutcome) -> None:
         rank_zero_info(logger, "skipped %s: non-finite loss %s", where, outcome.losses())
         self.stepper.skip()
-        self.state.step += 1
         self.state.skipped_steps += 1
 
     def _after_step(self, epoch: int, loss: torch.Tensor, elapsed: float) -> None:
@@ -359,16 +381,19 @@ class WorkerLoop:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         # The bare module: DDP's forward would sync buffers, and ranks run different
-        # numbers of validation batches.
+        # numbers of validation batches (FSDP's module is the sharded model itself).
         module = self._validation_module()  # the EMA weights once averaging has begun
         # Every rank validates with rank 0's buffers, the ones its checkpoint holds.
         broadcast_buffers(module, self.world_size)
         module.eval()
         averages = Averages(self.device)
-        for batch in self.loaders.val:
+        # A sharded (FSDP) model's forward is collective: every rank runs as many.
+        val = equal_forwards(self.loaders.val, is_sharded(module), self.device)
+        for batch, counts in val:
             with self.stepper.autocast():
                 out = self.spec.step(module, batch)
-            averages.add({"loss": out.loss, **out.metrics}, out.num_samples)
+            if counts:
+                averages.add({"loss": out.loss, **out.metrics}, out.num_samples)
         # A rank with no validation samples still joins the reduce, with zeros.
         return averages.global_means("val_", self._metric_names or [])
 
@@ -390,6 +415,14 @@ class WorkerLoop:
         """A checkpoint between two steps, with what the rest of the epoch needs to resume."""
         row = {"epoch": self.state.epoch, "step": self.state.step, "mid_epoch": 1}
         self.reporter.report(row, True, self.state, self._trainables(), progress)
+
+
+@dataclass
+class _PendingFlags:
+    """A step's outcome whose agreed flags the loop has yet to act on, and where it was."""
+
+    outcome: StepOutcome
+    where: str
 
 
 def _seed_runtime_rng(seed: int) -> None:

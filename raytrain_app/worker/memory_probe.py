@@ -75,8 +75,15 @@ def probe_micro_batch(
     autocast: Callable[[], contextlib.AbstractContextManager],
     device: torch.device,
 ) -> int:
-    """The largest micro-batch (at most ``upper``) whose forward and backward fit."""
+    """The largest micro-batch (at most ``upper``) whose forward and backward fit.
+
+    Runs no collective (each rank probes alone; ``fit_plan_to_memory`` agrees afterwards)
+    and leaves ``module`` as it found it: its mode, every buffer (BatchNorm's running
+    statistics, which the probe's train-mode forwards update) and its parameters' grads.
+    """
     was_training = module.training
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    grads = [(p, p.grad) for p in module.parameters()]
     module.train()
 
     def try_micro_batch(size: int) -> None:
@@ -95,6 +102,11 @@ def probe_micro_batch(
     ):
         fits = largest_fitting(try_micro_batch, upper)
     module.train(was_training)
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+    for param, grad in grads:
+        param.grad = grad
     return fits
 
 
@@ -108,10 +120,11 @@ def fit_plan_to_memory(
     world_size: int,
 ) -> TrainingPlan:
     """``plan`` with the largest micro-batch that fits on every rank (the smallest over
-    all ranks) and the global batch kept with accumulation. Gradient checkpointing is
+    all ranks, agreed in one all-reduce after each rank probed alone) and the global batch
+    kept with accumulation. Gradient checkpointing is
     turned on first when it is ``auto``, the batch does not fit, and the model supports it.
 
-    Runs on every rank before DDP wraps the bare ``module``.
+    Runs on every rank before SyncBatchNorm and DDP touch the bare ``module``.
     """
     module.to(device)
 
@@ -153,4 +166,5 @@ def fit_plan_to_memory(
         per_worker_batch_size=split.micro_batch,
         grad_accum_steps=split.accum_steps,
         gradient_checkpointing=checkpointing,
+        max_batch_per_worker=fits,
     )

@@ -1,5 +1,5 @@
 """The model as each worker trains it, built around the user's bare module from outside:
-SyncBatchNorm, gradient checkpointing, the memory probe, DDP, communication hooks, the
+gradient checkpointing, the memory probe, SyncBatchNorm, DDP (or FSDP), communication hooks, the
 per-step agreement, the EMA and torch.compile, in that order."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch.optim.swa_utils import AveragedModel
 from raytrain_app.config import DistributedConfig
 from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import ModelSpec
+from raytrain_app.worker.fsdp import shard_model_and_ema
 from raytrain_app.worker.memory_probe import fit_plan_to_memory
 from raytrain_app.worker.model_companions import make_ema, register_comm_hook
 from raytrain_app.worker.rank_zero import rank_zero_info
@@ -37,13 +38,11 @@ def prepare_for_training(
     checkpoints hold), the model as trained, the step agreement and the EMA (or None)."""
     world_size = session.world_size
     module = spec.module
-    if plan.sync_batchnorm and has_batchnorm(module):
-        # Before DDP wraps it; the converted layers keep BatchNorm's state-dict keys.
-        module = convert_sync_batchnorm(module, device)
-        rank_zero_info(logger, "BatchNorm layers synchronised across workers (SyncBatchNorm)")
     if plan.gradient_checkpointing:  # the driver checked the model has the hook
         module.gradient_checkpointing_enable()
     if plan.memory_probe:
+        # Before SyncBatchNorm: the probe must run no collective, since ranks run out of
+        # memory at different sizes and would pair different calls (memory_probe.py).
         plan = fit_plan_to_memory(
             plan,
             spec,
@@ -53,19 +52,28 @@ def prepare_for_training(
             device,
             world_size,
         )
-    ddp_kwargs = {"find_unused_parameters": distributed.find_unused_parameters}
-    model = session.prepare_model(
-        module, plan.strategy, ddp_kwargs if plan.strategy == "ddp" else {}
-    )
+    if plan.sync_batchnorm and has_batchnorm(module):
+        # Before DDP wraps it; the converted layers keep BatchNorm's state-dict keys.
+        module = convert_sync_batchnorm(module, device)
+        rank_zero_info(logger, "BatchNorm layers synchronised across workers (SyncBatchNorm)")
+    if plan.strategy == "fsdp":  # sharded in place, with its EMA (fsdp.py)
+        model, ema = shard_model_and_ema(module.to(device), plan.ema_decay, device)
+    else:
+        ddp_kwargs = {"find_unused_parameters": distributed.find_unused_parameters}
+        model = session.prepare_model(
+            module, plan.strategy, ddp_kwargs if plan.strategy == "ddp" else {}
+        )
+        ema = make_ema(module, plan.ema_decay)
     register_comm_hook(
         model, plan.grad_compression, distributed.powersgd_rank, distributed.start_powersgd_iter
     )
-    # The per-step flags ride on DDP's gradient all-reduce unless a hook owns it.
-    fuse = plan.grad_compression == "none" and not plan.compile
-    agreement = StepAgreement(model, world_size, fuse)
-    ema = make_ema(module, plan.ema_decay)
+    # The per-step flags ride on DDP's gradient all-reduce unless a hook owns it; under
+    # compile too, since DDP's reducer (and so its hook) runs outside the compiled graphs.
+    fuse = plan.grad_compression == "none"
+    agreement = StepAgreement(model, world_size, fuse, read_late=device.type == "cuda")
     if plan.compile:
-        # Compiles the DDP-wrapped model, so Dynamo splits graphs at DDP's buckets;
-        # checkpoints store the plain module's state_dict (no "_orig_mod.").
+        # Compiles the DDP-wrapped model, so Dynamo splits graphs at DDP's buckets and
+        # the gradient all-reduce overlaps the backward; DDP's no_sync still holds (see
+        # step.py). Checkpoints store the plain module's state_dict (no "_orig_mod.").
         model = torch.compile(model)
     return plan, module, model, agreement, ema

@@ -1,6 +1,7 @@
 """What a worker reports to Ray after an epoch or between steps, and the checkpoint that
 goes with it: every rank reports (Ray needs equal counts), rank 0 writes the checkpoint
-with every rank's RNG and unfinished-epoch sums gathered into it."""
+with every rank's RNG and unfinished-epoch sums gathered into it (with FSDP every rank
+writes and reports its shards besides)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from raytrain_app.checkpoint.ranking import SCORE_KEY, checkpoint_score
+from raytrain_app.checkpoint.sharded import is_sharded
 from raytrain_app.checkpoint.store import checkpoint_name
 from raytrain_app.checkpoint.train_state import LoopState, Trainables, rng_state, save_resumable
 from raytrain_app.config import TrainConfig
@@ -39,13 +41,18 @@ class Reporter:
         name = checkpoint_name(state.epoch, state.step) if due else None
         # Ray ranks checkpoints by this score (train.monitor / train.mode); see ranking.py.
         reported = {**row, SCORE_KEY: checkpoint_score(row, self.train.monitor, self.train.mode)}
-        if not (due and is_rank_zero()):
+        # A sharded (FSDP) model is checkpointed by every rank, each reporting its part.
+        every_rank = due and is_sharded(trainables.model)
+        if not (every_rank or (due and is_rank_zero())):
             self.session.report(reported, None, name)
             return
         meta = {**self.meta, "epoch": state.epoch, "step": state.step, "metrics": row}
         with scratch_dir() as directory:
             save_resumable(directory, trainables, state, ranks, meta=meta)
-            self.session.report(reported, directory, name)
+            if every_rank:
+                self.session.report(reported, directory, name, every_rank=True)
+            else:
+                self.session.report(reported, directory, name)
 
 
 def checkpoint_meta(task: Any, data_info: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from raytrain_app.checkpoint.store import MANIFEST_FILE, checkpoints_newest_first, name_progress
-from raytrain_app.checkpoint.upload import upload_atomically
+from raytrain_app.checkpoint.upload import upload_atomically, upload_shards_atomically
 
 
 class WorkerSession(Protocol):
@@ -40,8 +40,14 @@ class WorkerSession(Protocol):
     def prepare_loader(self, loader: DataLoader) -> DataLoader: ...
 
     def report(
-        self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None
-    ) -> None: ...
+        self,
+        metrics: dict[str, Any],
+        checkpoint_dir: Path | None,
+        name: str | None,
+        every_rank: bool = False,
+    ) -> None:
+        """``every_rank``: each rank passes its part of one checkpoint (FSDP's shards)."""
+        ...
 
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
 
@@ -81,7 +87,11 @@ class RayTrainSession:
         return ray.train.torch.prepare_data_loader(loader, add_dist_sampler=False)
 
     def report(
-        self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None
+        self,
+        metrics: dict[str, Any],
+        checkpoint_dir: Path | None,
+        name: str | None,
+        every_rank: bool = False,
     ) -> None:
         import ray.train
 
@@ -90,7 +100,7 @@ class RayTrainSession:
             metrics,
             checkpoint=checkpoint,
             checkpoint_dir_name=name,
-            checkpoint_upload_fn=upload_atomically,
+            checkpoint_upload_fn=upload_shards_atomically if every_rank else upload_atomically,
         )
 
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
@@ -215,7 +225,11 @@ class InProcessSession:
         return loader if self._device.type == "cpu" else _DeviceLoader(loader, self._device)
 
     def report(
-        self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None
+        self,
+        metrics: dict[str, Any],
+        checkpoint_dir: Path | None,
+        name: str | None,
+        every_rank: bool = False,
     ) -> None:
         self.reports.append({**metrics, "checkpoint": name if checkpoint_dir else None})
         if checkpoint_dir is None or self.storage is None:
@@ -223,7 +237,15 @@ class InProcessSession:
         target, attempt = self.storage / name, 1
         while target.exists():  # the same step written again after a fallback, as in Ray
             target, attempt = self.storage / f"{name}-r{attempt}", attempt + 1
-        shutil.copytree(checkpoint_dir, target)
+        if not (every_rank and self.world_size > 1):
+            shutil.copytree(checkpoint_dir, target)
+            return
+        # Every rank adds its files to rank 0's directory, as Ray merges them.
+        chosen = [target]
+        dist.broadcast_object_list(chosen, src=0)
+        dist.barrier()
+        shutil.copytree(checkpoint_dir, chosen[0], dirs_exist_ok=True)
+        dist.barrier()
 
     def checkpoints(self) -> list[Path]:
         """The persisted checkpoints, newest first."""
@@ -253,7 +275,11 @@ class TuneTrialSession(InProcessSession):
         self.world_rank, self.world_size = 0, 1
 
     def report(
-        self, metrics: dict[str, Any], checkpoint_dir: Path | None, name: str | None
+        self,
+        metrics: dict[str, Any],
+        checkpoint_dir: Path | None,
+        name: str | None,
+        every_rank: bool = False,
     ) -> None:
         from ray import tune
 

@@ -21,7 +21,7 @@ from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import ModelSpec
 from raytrain_app.worker.global_metrics import Averages
 from raytrain_app.worker.model_companions import broadcast_buffers
-from raytrain_app.worker.step_agreement import StepAgreement
+from raytrain_app.worker.step_agreement import AgreedFlags, StepAgreement
 
 
 def build_optimizer(
@@ -60,8 +60,9 @@ class StepOutcome:
     micro_results: list[tuple[dict[str, torch.Tensor], int]]  # (loss and metrics, samples)
     last_loss: torch.Tensor  # the last micro-batch's loss (for step-level tracking)
     metric_names: list[str]
-    nonfinite: bool  # some rank's loss was NaN or infinite: every rank skips the step
-    stop: bool  # some rank was asked to stop: every rank stops after this step
+    # Whether some rank's loss was NaN or infinite (every rank skips the step, or stops),
+    # and whether some rank was asked to stop (every rank stops after this step).
+    flags: AgreedFlags
 
     def losses(self) -> list[float]:
         return [float(values["loss"].detach()) for values, _ in self.micro_results]
@@ -101,8 +102,9 @@ class OptimizerStep:
 
     def _sync_context(self, last_micro_step: bool) -> contextlib.AbstractContextManager:
         # Gradients are all-reduced only on the last micro-step of an accumulation window.
-        if not last_micro_step and isinstance(self.model, nn.parallel.DistributedDataParallel):
-            return self.model.no_sync()
+        ddp = _compiled_inner(self.model)
+        if not last_micro_step and isinstance(ddp, nn.parallel.DistributedDataParallel):
+            return ddp.no_sync()
         return contextlib.nullcontext()
 
     def forward_backward(self, batches: Iterator[Any], stop_requested: bool) -> StepOutcome:
@@ -119,8 +121,8 @@ class OptimizerStep:
                 if last:  # the flags travel with this backward's gradient all-reduce
                     self.agreement.send(_step_flags(micro_results, stop_requested))
                 self.scaler.scale(out.loss / accum).backward()
-        nonfinite, stop = self.agreement.receive()
-        return StepOutcome(micro_results, out.loss, list(out.metrics), nonfinite, stop)
+        flags = self.agreement.receive_flags()
+        return StepOutcome(micro_results, out.loss, list(out.metrics), flags)
 
     def apply(self, step: int) -> None:
         """Clip, update the weights and the schedule; then the EMA, as of optimizer ``step``
@@ -128,11 +130,16 @@ class OptimizerStep:
         if self.train.grad_clip is not None:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
-        self.scaler.step(self.optimizer)
+        scale = _scale_on_device(self.scaler)
+        self.scaler.step(self.optimizer)  # skipped if a gradient overflowed (fp16)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.ema is not None and step > self.plan.ema_start_step:
+            # Unchanged weights must not pull the average: the update backs the scale off
+            # exactly when the scaler skipped the step. Read only here (fp16 with an EMA).
+            if scale is not None and bool(_scale_on_device(self.scaler) < scale):
+                return
             # Buffers (BatchNorm statistics) are per rank until DDP's next forward: take
             # rank 0's, so the averaged buffers stay identical on every rank.
             broadcast_buffers(self.module, self.world_size)
@@ -145,6 +152,22 @@ class OptimizerStep:
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+
+def _scale_on_device(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """A copy of the scaler's scale where it lives, without a host read; None when the
+    scaler is off (fp32, bf16) or has not scaled yet."""
+    current = scaler._scale if scaler.is_enabled() else None  # torch keeps it private
+    return None if current is None else current.clone()
+
+
+def _compiled_inner(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (the DDP model), or ``model`` itself.
+
+    DDP's forward runs eagerly under compile and reads ``no_sync``'s flag on every call, so
+    the wrapper's ``no_sync`` holds for the compiled model too.
+    """
+    return getattr(model, "_orig_mod", model)
 
 
 def _step_flags(micro_results: list, stop_requested: bool) -> torch.Tensor:

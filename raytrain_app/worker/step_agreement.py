@@ -4,9 +4,25 @@ others would hang the next collective.
 
 DDP all-reduces the gradients once per optimizer step anyway, so with its default all-reduce
 the flags ride along in the step's last gradient bucket (a communication hook): a separate
-tiny all-reduce per step costs measurably more (benchmarks/README.md). Where another hook
-owns the all-reduce (gradient compression), under torch.compile, FSDP or a single worker,
-one tiny all-reduce per step carries them instead.
+tiny all-reduce per step costs measurably more (benchmarks/README.md). Under torch.compile
+too: DDP's reducer, and with it the hook, runs outside the compiled graphs. Where another
+hook owns the all-reduce (gradient compression), under FSDP or with a single worker, one
+tiny all-reduce per step carries them instead.
+
+Reading the agreed flags on the host is the decision to make per step. On CPU they are
+read at once, as they always were. On a GPU a read (``.tolist()``) would wait for the
+step's whole backward pass and leave the device idle while the host queues the next step,
+every step. So there the agreed flags are copied into pinned host memory without blocking,
+with a CUDA event behind the copy, and the loop (``worker/loop.py``) reads them:
+
+- with ``train.on_nonfinite=stop`` (the default), one step late: step N's flags are read
+  after step N+1 is queued, when their copy has normally finished. Every rank reads the
+  same agreed values at the same step, so all still stop together, one step later than on
+  CPU; a non-finite loss still ends the run naming step N, before any checkpoint or report
+  (a step that a checkpoint or report follows has its own flags read first), after one
+  more step's work that the failed run discards;
+- with ``train.on_nonfinite=skip``, at once, since the skip must be known before the
+  optimizer step: the host then waits on the copy's event, the price of a host-side skip.
 """
 
 from __future__ import annotations
@@ -19,8 +35,11 @@ from torch import nn
 class StepAgreement:
     """This rank's flags of a step in, for each flag whether any rank set it out."""
 
-    def __init__(self, model: nn.Module, world_size: int, fuse: bool) -> None:
+    def __init__(
+        self, model: nn.Module, world_size: int, fuse: bool, read_late: bool = False
+    ) -> None:
         self.world_size = world_size
+        self.read_late = read_late  # the loop may act on the flags one step late (GPUs)
         self._local: torch.Tensor | None = None
         self._agreed: torch.Tensor | None = None
         self.fused = (
@@ -36,6 +55,10 @@ class StepAgreement:
 
     def receive(self) -> list[bool]:
         """For each flag, whether any rank set it; after that backward pass."""
+        return self.receive_flags().values()
+
+    def receive_flags(self) -> AgreedFlags:
+        """The agreed flags after that backward pass, read when the loop needs them."""
         if self.fused:
             agreed = self._agreed
             if agreed is None:
@@ -45,7 +68,47 @@ class StepAgreement:
             if self.world_size > 1 and dist.is_initialized():
                 dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         self._local = self._agreed = None
-        return [value > 0 for value in agreed.tolist()]
+        return AgreedFlags(agreed, self.read_late)
+
+
+class AgreedFlags:
+    """One step's flags as every rank agreed them: [a loss was non-finite, stop].
+
+    A CUDA tensor is copied into pinned host memory without blocking the host; the values
+    are read once that copy's event has completed (``ready``), waiting only if it has not.
+    """
+
+    def __init__(self, agreed: torch.Tensor, read_late: bool) -> None:
+        self.read_late = read_late
+        self._event = None
+        if agreed.device.type == "cuda":
+            host = torch.empty(agreed.shape, dtype=agreed.dtype, pin_memory=True)
+            host.copy_(agreed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            agreed = host
+        self._host = agreed
+        self._values: list[bool] | None = None
+
+    def ready(self) -> bool:
+        """Whether reading the values would not wait for the device."""
+        return self._event is None or self._event.query()
+
+    def values(self) -> list[bool]:
+        """For each flag, whether any rank set it."""
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()  # only the copy, not the whole device
+            self._values = [value > 0 for value in self._host.tolist()]
+        return self._values
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.values()[0]
+
+    @property
+    def stop(self) -> bool:
+        return self.values()[1]
 
 
 # DDP checks a hook's annotations against its classes, which this module's postponed

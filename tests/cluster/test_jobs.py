@@ -116,37 +116,6 @@ def test_an_invalid_config_fails_the_job_with_its_one_line_error(ray_head, proje
     assert "Traceback" not in logs.stdout
 
 
-def test_no_wait_then_status_logs_and_stop(ray_head, project):
-    env, url = ray_head.client_env(), ray_head.dashboard_url
-    result = submit_train(
-        ray_head, project, "train.epochs=50", "experiment.name=long", flags=("--no-wait",)
-    )
-    assert result.returncode == 0, result.stderr
-    job_id = result.stdout.strip()
-    assert re.fullmatch(r"raysubmit_\w+", job_id)
-
-    listed = raytrain(["jobs", "--address", url, "list"], env, project)
-    assert job_id in listed.stdout
-    deadline = time.monotonic() + 120
-    while (
-        "epoch 1/50"
-        not in raytrain(["jobs", "--address", url, "logs", job_id], env, project).stdout
-    ):
-        assert time.monotonic() < deadline, "the job never logged its first epoch"
-        time.sleep(2)
-    status = raytrain(["jobs", "--address", url, "status", job_id], env, project)
-    assert status.stdout.strip() == "RUNNING"
-
-    stop = raytrain(["jobs", "--address", url, "stop", job_id], env, project)
-    assert stop.returncode == 0 and "stopping" in stop.stdout
-    deadline = time.monotonic() + 60
-    while (
-        state := raytrain(["jobs", "--address", url, "status", job_id], env, project).stdout.strip()
-    ) != "STOPPED":
-        assert time.monotonic() < deadline, state
-        time.sleep(1)
-
-
 def test_without_the_token_the_cluster_refuses_with_a_clear_message(ray_head, project):
     result = raytrain(
         ["jobs", "--address", ray_head.dashboard_url, "list"],
@@ -203,26 +172,24 @@ def test_an_unknown_job_id_is_a_clear_error(ray_head, project):
     assert "job 'raysubmit_nope' does not exist" in result.stderr
 
 
-def test_ctrl_c_while_watching_leaves_the_job_running(ray_head, project):
+def wait_for_status(url: str, job_id: str, env: dict, cwd: Path, wanted: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while (
+        state := raytrain(["jobs", "--address", url, "status", job_id], env, cwd).stdout.strip()
+    ) != wanted:
+        assert time.monotonic() < deadline, f"{job_id} is {state}, never {wanted}"
+        time.sleep(1)
+
+
+def test_ctrl_c_while_watching_leaves_the_job_running_then_list_logs_and_stop_it(ray_head, project):
+    """One long job: Ctrl-C stops watching it, never the job; `raytrain jobs` then lists
+    it, shows its logs and status, and stops it."""
     import signal
 
     env, url = ray_head.client_env(), ray_head.dashboard_url
-    command = [
-        sys.executable,
-        "-m",
-        "raytrain_app.cli",
-        "submit",
-        "--address",
-        url,
-        "--",
-        "train",
-        "--config",
-        "my.yaml",
-        "--set",
-        "train.epochs=50",
-        "--set",
-        "experiment.name=watched",
-    ]
+    command = [sys.executable, "-m", "raytrain_app.cli", "submit", "--address", url, "--"]
+    command += ["train", "--config", "my.yaml", "--set", "train.epochs=50"]
+    command += ["--set", "experiment.name=watched"]
     with subprocess.Popen(
         command, env=env, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as proc:
@@ -232,12 +199,25 @@ def test_ctrl_c_while_watching_leaves_the_job_running(ray_head, project):
         _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert f"{job_id} keeps running" in stderr and f"jobs --address {url} stop {job_id}" in stderr
+
+    listed = raytrain(["jobs", "--address", url, "list"], env, project)
+    assert job_id in listed.stdout
+    deadline = time.monotonic() + 120
+    while (
+        "epoch 1/50"
+        not in raytrain(["jobs", "--address", url, "logs", job_id], env, project).stdout
+    ):
+        assert time.monotonic() < deadline, "the job never logged its first epoch"
+        time.sleep(2)
     status = raytrain(["jobs", "--address", url, "status", job_id], env, project)
-    assert status.stdout.strip() in ("PENDING", "RUNNING")
-    raytrain(["jobs", "--address", url, "stop", job_id], env, project)
+    assert status.stdout.strip() == "RUNNING"
+
+    stop = raytrain(["jobs", "--address", url, "stop", job_id], env, project)
+    assert stop.returncode == 0 and "stopping" in stop.stdout
+    wait_for_status(url, job_id, env, project, "STOPPED", timeout=60)
 
 
-def test_user_code_travels_with_the_job(ray_head, tmp_path):
+def test_user_code_travels_with_a_job_submitted_without_waiting(ray_head, tmp_path):
     examples = EXAMPLES
     out = tmp_path / "runs"
     result = raytrain(
@@ -247,6 +227,7 @@ def test_user_code_travels_with_the_job(ray_head, tmp_path):
             ray_head.dashboard_url,
             "--working-dir",
             str(examples),
+            "--no-wait",
             "--",
             "train",
             "--config",
@@ -260,4 +241,8 @@ def test_user_code_travels_with_the_job(ray_head, tmp_path):
         tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    job_id = result.stdout.strip()  # --no-wait prints the id alone and returns
+    assert re.fullmatch(r"raysubmit_\w+", job_id)
+    env, url = ray_head.client_env(), ray_head.dashboard_url
+    wait_for_status(url, job_id, env, tmp_path, "SUCCEEDED", timeout=240)
     assert (out / "sine" / "summary.json").is_file()

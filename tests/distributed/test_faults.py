@@ -9,7 +9,6 @@ partial epoch sums are restored from the checkpoint).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -20,6 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from fault_runs import (
+    assert_same_as,
+    cli_env,
+    fault_config,
+    newest_step,
+    wait_for_checkpoint_after,
+)
 from torch import nn
 
 import raytrain_app as rt
@@ -34,46 +40,12 @@ pytestmark = pytest.mark.distributed
 
 EPOCHS = 4
 STEPS_PER_EPOCH = 50  # 1601 train samples / global batch 32, the odd tail dropped
-TIMING_COLUMNS = ("samples_per_s", "epoch_time_s")
-
-
-def fault_config(output_dir: Path, name: str, **model_params) -> dict:
-    """Sine regression with dropout, odd-sized splits and a checkpoint every 10 steps."""
-    return {
-        "experiment": {"name": name, "output_dir": str(output_dir), "seed": 5},
-        "model": {"target": "faults:build_model", "params": {"dropout": 0.1, **model_params}},
-        # 2002 samples: 1601 train and 401 validation, neither divisible by 2 workers
-        "data": {"target": "faults:build_data", "params": {"num_samples": 2002}},
-        "train": {
-            "epochs": EPOCHS,
-            "global_batch_size": 32,
-            "lr": 0.01,
-            "checkpoint_every_steps": 10,
-            "keep_checkpoints": 3,
-        },
-        "scaling": {"num_workers": 2},
-        "dataloader": {"num_workers": 0},
-        "fault_tolerance": {"max_failures": 0},
-    }
 
 
 @pytest.fixture(scope="module")
-def reference(ray_cluster, tmp_path_factory):
-    """The uninterrupted run every fault is compared with."""
-    return rt.train(fault_config(tmp_path_factory.mktemp("ref"), "straight"), progress=False)
-
-
-def _assert_same_as(run_dir: Path, reference: rt.TrainResult) -> None:
-    rows = read_metrics(run_dir)
-    assert [row["epoch"] for row in rows] == list(range(1, EPOCHS + 1))
-    for row, expected in zip(rows, reference.metrics, strict=True):
-        for column, value in expected.items():
-            if column not in TIMING_COLUMNS:
-                assert row[column] == value, (row["epoch"], column)
-    ours = rt.load_model(run_dir)
-    theirs = rt.load_model(reference.run_dir)
-    for key, tensor in theirs.state_dict().items():
-        assert torch.equal(ours.state_dict()[key], tensor), key
+def reference(fault_reference):
+    """The uninterrupted run every fault is compared with (tests/distributed/conftest.py)."""
+    return fault_reference
 
 
 def test_uneven_splits_give_equal_steps_and_count_every_validation_sample(reference):
@@ -90,16 +62,26 @@ def test_uneven_splits_give_equal_steps_and_count_every_validation_sample(refere
     assert reference.metrics[-1]["val_loss"] == pytest.approx(loss, rel=1e-6)
 
 
-def test_a_killed_worker_restarts_from_the_step_checkpoint_and_loses_nothing(reference, tmp_path):
-    marker = tmp_path / "killed"
-    # Rank 1 SIGKILLs itself in its 75th micro-batch: step 75, mid-epoch 2, 5 steps after
-    # the step-70 checkpoint.
-    cfg = fault_config(tmp_path, "killed", kill_rank=1, kill_at_call=75, marker=str(marker))
+def test_a_worker_killed_while_writing_a_checkpoint_restarts_and_loses_nothing(reference, tmp_path):
+    """Rank 0, the one that writes checkpoints, is SIGKILLed one file into copying the
+    step-70 checkpoint into the run's storage (tests/support/workloads/checkpoint_kill.py):
+    Ray restarts both workers from an older checkpoint, the torn copy is never loaded, step
+    70 is written again whole, and the run ends bit-for-bit as the uninterrupted one."""
+    marker = tmp_path / "killed.json"
+    cfg = fault_config(tmp_path, "killed", kill_in_checkpoint_after_call=70, marker=str(marker))
+    cfg["model"]["target"] = "checkpoint_kill:build_model"
+    cfg["data"]["target"] = "checkpoint_kill:build_data"
     cfg["fault_tolerance"]["max_failures"] = 1
     result = rt.train(cfg, progress=False)
     assert marker.exists(), "the worker was never killed"
+    killed = json.loads(marker.read_text())
+    # 1601 train samples / 32: 50 steps an epoch, so step 70 is 20 steps into epoch 2.
+    assert Path(killed["partial"]).name == ckpt.checkpoint_name(1, 70) + ".partial"
+    assert len(killed["written"]) == 1 and ckpt.MANIFEST_FILE not in killed["written"]
     assert result.summary["status"] == "completed"
-    _assert_same_as(result.run_dir, reference)
+    checkpoints = result.run_dir / "checkpoints"
+    assert not list(checkpoints.glob("**/*.partial")), "the torn copy was left behind"
+    assert_same_as(result.run_dir, reference)
 
 
 def test_a_nan_on_one_rank_skips_that_step_on_every_rank(ray_cluster, tmp_path):
@@ -126,33 +108,9 @@ def test_a_hung_collective_fails_the_run_after_distributed_timeout_s(ray_cluster
 # --------------------------------------------------------------------------- the driver
 
 
-def _cli_env(ray_tmp: str) -> dict[str, str]:
-    env = dict(os.environ)  # PYTHONPATH already names examples/ and the test workloads
-    env.pop("RAY_ADDRESS", None)
-    env["RAY_TMPDIR"] = ray_tmp  # the embedded Ray of the subprocess gets its own temp dir
-    return env
-
-
-def _newest_step(run_dir: Path) -> int:
-    found = ckpt.checkpoints_newest_first(run_dir / "checkpoints")
-    return ckpt.read_meta(found[0])["step"] if found else 0
-
-
-def _wait_for_checkpoint_after(run_dir: Path, step: int, proc: subprocess.Popen) -> int:
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended before it could be interrupted"
-        newest = _newest_step(run_dir)
-        if newest > step:
-            return newest
-        time.sleep(0.1)
-    raise AssertionError(f"no checkpoint after step {step} was written")
-
-
 def test_a_sigkilled_driver_loses_nothing(reference, tmp_path):
-    """`raytrain train` SIGKILLed mid-run, then the same command again. (SIGUSR1 and Ctrl-C:
-    tests/cluster/test_slurm.py runs the whole preemption path, tests/unit/test_stop_signals.py
-    the exit codes.)"""
+    """`raytrain train` SIGKILLed mid-run, then the same command again. (Ctrl-C and SIGTERM:
+    tests/distributed/test_signals.py; SIGUSR1 under SLURM: tests/cluster/test_slurm.py.)"""
     config_file = tmp_path / "faults.yaml"
     # 20 ms per micro-batch: about a second per epoch, time to interrupt it mid-epoch.
     config_file.write_text(yaml.safe_dump(fault_config(tmp_path, "driver", sleep_s=0.02)))
@@ -160,13 +118,13 @@ def test_a_sigkilled_driver_loses_nothing(reference, tmp_path):
     command += ["--config", str(config_file)]
     run_dir = tmp_path / "driver"
     ray_tmp = ray_temp_dir("rt-cli-")
-    env = _cli_env(ray_tmp)
+    env = cli_env(ray_tmp)
 
     def interrupted(how: signal.Signals) -> tuple[int, str]:
         with subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         ) as proc:
-            _wait_for_checkpoint_after(run_dir, _newest_step(run_dir), proc)
+            wait_for_checkpoint_after(run_dir, newest_step(run_dir), proc)
             proc.send_signal(how)
             output, _ = proc.communicate(timeout=120)
         return proc.returncode, output
@@ -182,7 +140,7 @@ def test_a_sigkilled_driver_loses_nothing(reference, tmp_path):
     final = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stdout + final.stderr
     assert "resumed from" in final.stdout + final.stderr
-    _assert_same_as(run_dir, reference)
+    assert_same_as(run_dir, reference)
 
 
 def test_a_second_run_into_the_same_directory_is_refused_while_the_first_writes(tmp_path):
@@ -197,14 +155,14 @@ def test_a_second_run_into_the_same_directory_is_refused_while_the_first_writes(
     run_dir = tmp_path / "shared"
     with subprocess.Popen(
         command,
-        env=_cli_env(ray_temp_dir("rt-cli-")),
+        env=cli_env(ray_temp_dir("rt-cli-")),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     ) as first:
-        _wait_for_checkpoint_after(run_dir, 0, first)
+        wait_for_checkpoint_after(run_dir, 0, first)
         second = subprocess.run(
-            command, env=_cli_env(ray_temp_dir("rt-cli-")), capture_output=True, text=True
+            command, env=cli_env(ray_temp_dir("rt-cli-")), capture_output=True, text=True
         )
         assert first.poll() is None, "the first run ended before the second was refused"
         output, _ = first.communicate(timeout=300)

@@ -51,7 +51,15 @@ def tracked_config(output_dir: Path, name: str, **model_params) -> dict:
 def run(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("tracked")
     marker = out / "killed"
-    cfg = tracked_config(out, "tracked", kill_rank=1, kill_at_call=KILL_AT_STEP, marker=str(marker))
+    cfg = tracked_config(
+        out,
+        "tracked",
+        kill_rank=1,
+        kill_at_call=KILL_AT_STEP,
+        marker=str(marker),
+        # where Ray keeps its checkpoint bookkeeping: the kill waits until it has step 60
+        checkpoints_dir=str(out / "tracked" / "checkpoints" / "tracked"),
+    )
     result = rt.train(cfg, progress=False)
     assert marker.exists(), "the worker was never killed"
     return result

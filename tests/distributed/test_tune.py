@@ -197,20 +197,59 @@ def test_a_reused_trial_process_starts_each_trial_clean(ray_cluster, tmp_path):
         pd.testing.assert_frame_equal(history, histories[0], check_exact=True)
 
 
-def test_pbt_continues_trials_from_better_ones_checkpoints(ray_cluster, tmp_path):
+def _result_rows(run_dir) -> list[dict]:
+    """Every result Tune recorded, from its own result files (each row carries the trial's
+    config at that time)."""
+    rows = []
+    for result_json in sorted((run_dir / "tune").glob("*/result.json")):
+        rows += [json.loads(line) for line in result_json.read_text().splitlines()]
+    return rows
+
+
+def test_pbt_continues_a_worse_trial_from_a_better_ones_checkpoint_with_a_mutated_lr(
+    ray_cluster, tmp_path
+):
+    # Two trials side by side: at an epoch's report the worse one clones the better one's
+    # checkpoint and continues with a perturbed copy of its lr.
     cfg = sweep(
         tmp_path,
         "pbt",
         {
-            "num_samples": 4,
+            "num_samples": 2,
             "max_concurrent_trials": 2,
             "scheduler": "pbt",
             "param_space": {"train.lr": {"loguniform": [1.0e-6, 3.0e-3]}},
         },
     )
+    # The sine regression, whose trials start training together (population.py): PBT
+    # compares running trials only.
+    population = {"population": 2, "population_dir": str(tmp_path / "population")}
+    cfg["model"] = {"target": "population:build_model", "params": population}
+    cfg["data"] = {"target": "population:build_data", "params": {"num_samples": 1002}}
     # PBT clones another trial's latest checkpoint when it gets a slot, by which time that
     # trial may have written newer ones: keep them all (Tune warns for num_to_keep <= 2).
-    cfg["train"] = {"epochs": 3, "checkpoint_every_epochs": 1, "keep_checkpoints": None}
+    # The lr never decays to 0, so even a trial continued only for the last epoch shows
+    # which base lr it trained with.
+    cfg["train"] = {
+        "epochs": 4,
+        "checkpoint_every_epochs": 1,
+        "keep_checkpoints": None,
+        "min_lr_ratio": 0.5,
+    }
     result = rt.tune(cfg)
-    assert len(result.trials) == 4
     assert (result.trials["status"] != "error").all(), result.trials["error"].tolist()
+    # PBT's log of its exploits: [trial, cloned trial, their iterations, old config, new].
+    exploits = [json.loads(line) for line in (result.run_dir / "tune" / "pbt_global.txt").open()]
+    rows = _result_rows(result.run_dir)
+    history = [(r["trial_id"], r["epoch"], r["config"]["train.lr"], r["val_loss"]) for r in rows]
+    assert exploits, f"no trial was exploited: {history}"
+    mutated_lrs = {new_config["train.lr"] for *_, new_config in exploits}
+    continued = [row for row in rows if row["config"]["train.lr"] in mutated_lrs]
+    assert continued, f"no trial reported with a mutated lr {mutated_lrs}: {history}"
+    # Each epoch's lr is the trial's base lr times the schedule's factor for that epoch,
+    # the same for every trial: so the continued trial trains with its mutated lr, not
+    # the lr saved in the checkpoint it cloned.
+    factors: dict[int, set[float]] = {}
+    for row in rows:
+        factors.setdefault(row["epoch"], set()).add(round(row["lr"] / row["config"]["train.lr"], 9))
+    assert all(len(seen) == 1 and min(seen) > 0 for seen in factors.values()), factors

@@ -7,6 +7,7 @@ PLAN_JSON_KEYS = {
     "world_size",
     "per_worker_batch_size",
     "grad_accum_steps",
+    "max_batch_per_worker",
     "effective_batch_size",
     "precision",
     "backend",

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from environments import make_env
 
 from raytrain_app.config import RaytrainConfig, config_from_dict, config_to_dict
-from raytrain_app.planning.environment import detect_environment
 from raytrain_app.planning.rules import make_plan
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
 from raytrain_app.worker.session import InProcessSession
@@ -34,8 +34,10 @@ class LocalSession(InProcessSession):
         super().__init__(storage)
         self.crash_after = crash_after_checkpoints
 
-    def report(self, metrics: dict, checkpoint_dir: Path | None, name: str | None) -> None:
-        super().report(metrics, checkpoint_dir, name)
+    def report(
+        self, metrics: dict, checkpoint_dir: Path | None, name: str | None, **kwargs: bool
+    ) -> None:
+        super().report(metrics, checkpoint_dir, name, **kwargs)
         if checkpoint_dir is None:
             return
         if self.crash_after is not None and len(self.checkpoints()) >= self.crash_after:
@@ -59,12 +61,15 @@ def make_task(tmp_path: Path, **train: object) -> WorkerTask:
 
 
 def worker_task(cfg: RaytrainConfig, run_dir: Path, data_dir: Path | None = None) -> WorkerTask:
-    """What the driver would send a worker for ``cfg``, its data prepared in ``data_dir``
-    (default: the run directory's data/)."""
+    """What the driver would send a worker for ``cfg`` on a CPU machine, its data prepared
+    in ``data_dir`` (default: the run directory's data/).
+
+    Planned against an explicit CPU environment, never the host's: on a GPU host the plan
+    would otherwise turn on bf16, compile and the fused optimizer in CPU tests."""
     run_dir.mkdir(parents=True, exist_ok=True)
     return WorkerTask(
         config=config_to_dict(cfg),
-        plan=make_plan(cfg, detect_environment()),
+        plan=make_plan(cfg, make_env()),
         data=prepare_data(cfg.data, data_dir or run_dir / "data", cfg.experiment.seed),
         model=model_factory(cfg.model),
         run_dir=str(run_dir),

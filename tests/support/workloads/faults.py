@@ -8,7 +8,10 @@ file does not exist yet),
 step down so a test can act mid-run), ``dropout`` (random masks, so resumes must restore
 every rank's RNG to be exact), ``record_comm_hooks`` (rank 0 writes the DDP communication
 hooks it trains with, and its process's niceness, to this JSON file), ``oom_above``
-(batches larger than this raise ``torch.OutOfMemoryError``, as a GPU would).
+(batches larger than this raise ``torch.OutOfMemoryError`` after the forward pass, as a
+GPU would; a list gives one limit per rank), ``inf_grad_at_calls`` (a finite loss whose
+gradient is infinite, as an fp16 overflow), ``batchnorm`` (a BatchNorm1d after the first
+layer).
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ def _rank() -> int:
 
 def build_model(params: dict, data_info: dict) -> ModelSpec:
     hidden = int(params.get("hidden", 32))
-    module = nn.Sequential(
+    layers = [
         nn.Linear(data_info["in_features"], hidden),
+        *([nn.BatchNorm1d(hidden)] if params.get("batchnorm") else []),
         nn.Tanh(),
         nn.Dropout(float(params.get("dropout", 0.0))),
         nn.Linear(hidden, 1),
-    )
+    ]
+    module = nn.Sequential(*layers)
     calls = 0
 
     def step(model: nn.Module, batch) -> StepOutput:
@@ -51,9 +56,11 @@ def build_model(params: dict, data_info: dict) -> ModelSpec:
             _inject(params, calls)
             if params.get("record_comm_hooks") and _rank() == 0:
                 _record_comm_hooks(model, calls, Path(params["record_comm_hooks"]))
-        if params.get("oom_above") and x.shape[0] > params["oom_above"]:
-            raise torch.OutOfMemoryError("stand-in for CUDA running out of memory")
         prediction = model(x)
+        if x.shape[0] > _oom_above(params):  # after the forward, as a GPU runs out part-way
+            raise torch.OutOfMemoryError("stand-in for CUDA running out of memory")
+        if model.training and calls in params.get("inf_grad_at_calls", ()):
+            prediction = _InfiniteGradient.apply(prediction)
         loss = nn.functional.mse_loss(prediction, y)
         nan_here = params.get("nan_rank") in (None, _rank())
         if model.training and nan_here and calls in params.get("nan_at_calls", ()):
@@ -61,6 +68,25 @@ def build_model(params: dict, data_info: dict) -> ModelSpec:
         return StepOutput(loss=loss, num_samples=y.shape[0])
 
     return ModelSpec(module=module, step=step)
+
+
+def _oom_above(params: dict) -> float:
+    limit = params.get("oom_above")
+    if isinstance(limit, list):  # one limit per rank
+        limit = limit[_rank()]
+    return float("inf") if limit is None else limit
+
+
+class _InfiniteGradient(torch.autograd.Function):
+    """The identity whose gradient is infinite: a finite loss with an overflowing backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf")
 
 
 def _inject(params: dict, calls: int) -> None:

@@ -277,9 +277,13 @@ CASES = [
         ("distributed.backend=nccl", "set distributed.backend to auto or gloo"),
     ),
     Case(
-        "fsdp_on_cpu",
-        on_cpu("scaling.num_workers=1", "distributed.strategy=fsdp"),
-        ("distributed.strategy=fsdp", "set distributed.strategy to auto or ddp"),
+        "fsdp_with_grad_compression",
+        on_cpu(
+            "scaling.num_workers=2",
+            "distributed.strategy=fsdp",
+            "distributed.grad_compression=powersgd",
+        ),
+        ("distributed.grad_compression=powersgd", "set distributed.grad_compression=none"),
     ),
     Case(
         "single_strategy_with_two_workers",

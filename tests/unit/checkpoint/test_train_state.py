@@ -14,6 +14,7 @@ from raytrain_app.checkpoint.train_state import (
     LoopState,
     Trainables,
     load_resumable,
+    restore_cuda_rng,
     rng_state,
     save_resumable,
 )
@@ -107,3 +108,15 @@ def test_a_checkpoint_of_two_workers_resumes_on_one_with_the_whole_epoch_sums(tm
     # A global step covers the same samples for any world size, so rank 0 carries them all.
     assert epoch == {"sums": {"loss": 4.0, "count": 8.0}, "elapsed_s": 2.5, "skipped_steps": 1}
     assert "written by 2 workers, this run has 1" in caplog.text
+
+
+def test_a_worker_restores_its_own_cuda_state_whatever_the_gpus_it_saw():
+    """Each worker saves its own device's CUDA state; a checkpoint of an earlier version
+    holds every GPU the worker saw. A resume on fewer GPUs must not index past them."""
+    states = [torch.full((4,), i, dtype=torch.uint8) for i in range(4)]
+    restored: list[torch.Tensor] = []
+    restore_cuda_rng(states[2], 0, restored.append)  # its own device's state, any index
+    restore_cuda_rng(states, 1, restored.append)  # 4 GPUs saved, device 1 of 1 or 2 now
+    assert [int(s[0]) for s in restored] == [2, 1]
+    restore_cuda_rng(states[:1], 3, restored.append)  # more GPUs now: the stream restarts
+    assert len(restored) == 2

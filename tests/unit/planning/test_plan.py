@@ -84,12 +84,15 @@ def test_backend_and_strategy():
     assert choose_backend("auto", False) == "gloo"
     with pytest.raises(PlanError, match="distributed.backend=nccl"):
         choose_backend("nccl", False)
-    assert choose_strategy("auto", False) == "ddp"
-    assert choose_strategy("fsdp", True) == "fsdp"
+    assert choose_strategy("auto") == "ddp"
+    assert choose_strategy("fsdp") == "fsdp"  # on GPUs and CPUs alike
     with pytest.raises(PlanError, match="DDP replaces it"):
-        choose_strategy("dp", True)
-    with pytest.raises(PlanError, match="distributed.strategy=fsdp needs GPUs"):
-        choose_strategy("fsdp", False)
+        choose_strategy("dp")
+    # Compression hooks wrap DDP's all-reduce: refused with FSDP, naming both keys.
+    with pytest.raises(
+        PlanError, match="grad_compression=powersgd .* distributed.strategy=fsdp; set"
+    ):
+        choose_strategy("fsdp", "powersgd")
 
 
 @pytest.mark.parametrize(("rule", "expected"), [("none", 1e-3), ("linear", 4e-3), ("sqrt", 2e-3)])

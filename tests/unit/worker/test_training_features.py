@@ -27,6 +27,7 @@ from raytrain_app.driver.training import preflight
 from raytrain_app.errors import BadInputError, RunFailedError
 from raytrain_app.models.resnet_small import ResNetSmall
 from raytrain_app.models.wind_transformer import WindTransformer
+from raytrain_app.planning import environment
 from raytrain_app.planning.batch import PlanError
 from raytrain_app.planning.rules import make_plan
 from raytrain_app.worker.loop import WorkerLoop
@@ -281,3 +282,17 @@ def test_the_probe_keeps_the_global_batch_with_accumulation(tmp_path):
         assert torch.equal(probed[1][key], tensor), key
     (row,) = without_timings(probed[0]["history"])
     assert row == pytest.approx(without_timings(capped[0]["history"])[0], rel=1e-6)
+
+
+def test_the_loop_harness_plans_for_a_cpu_even_on_a_gpu_host(tmp_path, monkeypatch):
+    """The CPU tests of this tier must train in fp32 without compile or the fused CUDA
+    optimizer wherever they run, a GPU host included."""
+    monkeypatch.setattr(environment, "local_gpu", lambda: A100)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    plan = make_task(tmp_path).plan
+    assert (plan.use_gpu, plan.precision, plan.compile, plan.fused_optimizer) == (
+        False,
+        "fp32",
+        False,
+        False,
+    )

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from environments import make_env
 from torch.utils.data import Dataset, get_worker_info
 
 from raytrain_app.config import config_from_dict
-from raytrain_app.planning.environment import detect_environment
 from raytrain_app.planning.rules import make_plan
 from raytrain_app.worker.loaders import WorkerLoaders, build_worker_loaders
 
@@ -33,7 +33,7 @@ class Indices(Dataset):
 def _loaders(world_size: int, rank: int, n: int = 64, loader_workers: int = 0) -> WorkerLoaders:
     cfg = config_from_dict({"experiment": {"seed": 5}})
     plan = replace(
-        make_plan(cfg, detect_environment()),
+        make_plan(cfg, make_env()),
         world_size=world_size,
         per_worker_batch_size=GLOBAL_BATCH // world_size,
         grad_accum_steps=1,
@@ -93,3 +93,38 @@ def test_loader_processes_are_seeded_per_epoch_and_rank_not_from_the_global_rng(
     assert torch.equal(torch.get_rng_state(), global_rng)  # a resume restores this stream
     assert len({frozenset(s) for s in seeds.values()}) == 4  # distinct per (rank, epoch)
     assert process_seeds(1, 1) == seeds[(1, 1)]  # and reproducible
+
+
+def _validation_batch(train: dict, probed_fit: int | None = None) -> int:
+    cfg = config_from_dict({"train": train, "scaling": {"num_workers": 1}})
+    plan = make_plan(cfg, make_env())
+    if probed_fit is not None:  # what the memory probe makes of the plan (memory_probe.py)
+        plan = replace(
+            plan,
+            memory_probe=True,
+            per_worker_batch_size=probed_fit,
+            grad_accum_steps=plan.effective_batch_size // probed_fit,
+            max_batch_per_worker=probed_fit,
+        )
+    loaders = build_worker_loaders(
+        Indices(512),
+        Indices(512),
+        plan,
+        cfg.dataloader,
+        seed=5,
+        rank=0,
+        world_size=1,
+        prepare=lambda loader: loader,
+    )
+    return loaders.raw[1].batch_size
+
+
+def test_validation_batches_never_exceed_the_memory_cap():
+    # 128 per worker under a cap of 8: 8 x 16 accumulation; validation takes 8 at a time.
+    assert _validation_batch({"global_batch_size": 128, "max_batch_per_worker": 8}) == 8
+    # 30 per worker under a cap of 8: micro-batches of 6 (x 5); validation may take 8.
+    assert _validation_batch({"global_batch_size": 30, "max_batch_per_worker": 8}) == 8
+    # What the memory probe measured caps it too.
+    assert _validation_batch({"global_batch_size": 128, "max_batch_per_worker": "auto"}, 16) == 16
+    # Without a cap, a worker's whole share of the global batch at once.
+    assert _validation_batch({"global_batch_size": 128}) == 128

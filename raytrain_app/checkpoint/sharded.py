@@ -1,0 +1,129 @@
+"""Checkpoints of a sharded (FSDP) model: every rank writes its part, as FSDP requires.
+
+The resumable state (model, optimizer and EMA shards) is a ``torch.distributed.checkpoint``
+(DCP): ``.metadata`` from rank 0 and one ``__<rank>_0.distcp`` file per rank, each written
+into that rank's own scratch directory and merged into one checkpoint directory when the
+ranks report it (``upload.py``). DCP reshards on load, so a run resumes at any world size.
+Beside it, rank 0 writes the usual plain files (``store.py``): ``model.pt`` and ``ema.pt``
+as full state dicts gathered from every rank onto rank 0's CPU, so ``load_model`` and
+``raytrain predict`` still get a plain module, ``train_state.pt`` without the optimizer,
+``meta.json``, and ``manifest.json`` covering every rank's files.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+
+from raytrain_app.checkpoint import store
+
+# Written by rank 0 (DCP's coordinator) last among the DCP files.
+SHARDED_METADATA_FILE = ".metadata"
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` (or what torch.compile wraps) is sharded with FSDP2."""
+    return any(isinstance(m, FSDPModule) for m in store.unwrap_model(model).modules())
+
+
+def has_sharded_state(directory: Path) -> bool:
+    """Whether a checkpoint holds its resumable state as DCP shards."""
+    return (directory / SHARDED_METADATA_FILE).is_file()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def full_state_dict(module: nn.Module) -> dict[str, Any]:
+    """The full state dict on rank 0's CPU (empty elsewhere); every rank must call it."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(store.unwrap_model(module), options=options)
+
+
+def _resumable(model: nn.Module, optimizer: Any, ema: nn.Module | None) -> dict[str, Any]:
+    """This rank's shards of the model, optimizer and EMA, keyed by parameter names."""
+    model_state, optimizer_state = get_state_dict(store.unwrap_model(model), optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema)
+    return state
+
+
+def save_sharded(
+    directory: Path,
+    *,
+    model: nn.Module,
+    optimizer: Any,
+    ema: nn.Module | None,
+    train_state: dict[str, Any],
+    meta: dict[str, Any],
+) -> None:
+    """Write this rank's part of a checkpoint into ``directory``; every rank calls it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    dcp.save(_resumable(model, optimizer, ema), checkpoint_id=str(directory))
+    model_state = full_state_dict(model)
+    ema_state = full_state_dict(ema) if ema is not None else None
+    # Rank 0's manifest lists every rank's shard: a checkpoint missing one is torn.
+    others = _all_gather(store.file_digests(directory) if _rank() != 0 else {})
+    if _rank() != 0:
+        return
+    shards = {name: digest for files in others for name, digest in files.items()}
+    store.save_checkpoint(
+        directory,
+        model=model_state,
+        train_state=train_state,
+        meta=meta,
+        ema=ema_state,
+        other_files=shards,
+    )
+
+
+def load_sharded(
+    directory: Path, *, model: nn.Module, optimizer: Any, ema: nn.Module | None
+) -> None:
+    """Load a sharded checkpoint into ``model``, ``optimizer`` and ``ema`` (sharded or not,
+    at any world size); every rank calls it."""
+    state = _resumable(model, optimizer, ema)
+    saved_ema = ema is not None and _has_key(directory, "ema")
+    if ema is not None and not saved_ema:
+        del state["ema"]
+    with warnings.catch_warnings():
+        # One process without a process group (a one-worker resume) reads every shard
+        # itself, as intended: DCP warns that it assumes so.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+    set_state_dict(
+        store.unwrap_model(model),
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )
+    if saved_ema:
+        set_model_state_dict(ema, state["ema"])
+
+
+def _has_key(directory: Path, prefix: str) -> bool:
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    return any(key.startswith(prefix + ".") for key in metadata.state_dict_metadata)
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,127 @@
+"""``distributed.strategy: fsdp``: the model and its EMA sharded with FSDP2 (``fully_shard``),
+block by block and then the root, over the process group Ray made.
+
+Each block's parameters are gathered just before its forward and backward and freed after,
+so a rank holds whole only the block it is computing; the optimizer state is sharded
+with the parameters (DTensors), and ``clip_grad_norm_`` over DTensor gradients clips by the
+whole model's norm. Gradients are reduce-scattered after every micro-batch of an
+accumulation window: skipping that would hold every block's gradients whole until the last
+micro-batch, the memory FSDP saves. Which modules are blocks:
+
+- the module list a model returns from ``fsdp_blocks()``, if it defines that method;
+- otherwise every item of an ``nn.ModuleList`` or ``nn.Sequential`` that holds parameters
+  (the repeated layers of transformers and ResNets), outermost first: a block's own
+  sub-layers are not split further;
+- otherwise (no such container) the root's direct children that hold parameters.
+
+The root is sharded last and owns what no block holds. Validation and the EMA use the
+sharded model too (``equal_forwards``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.optim.swa_utils import AveragedModel
+
+from raytrain_app.errors import RunFailedError
+from raytrain_app.worker.model_companions import make_ema
+from raytrain_app.worker.rank_zero import rank_zero_info
+
+logger = logging.getLogger(__name__)
+
+
+def fsdp_blocks(module: nn.Module) -> list[nn.Module]:
+    """The modules sharded one by one before the root (the rule in the module docstring)."""
+    hook = getattr(module, "fsdp_blocks", None)
+    if callable(hook):
+        return list(hook())
+    blocks = list(_container_items(module))
+    if blocks:
+        return blocks
+    return [child for child in module.children() if _holds_parameters(child)]
+
+
+def _container_items(module: nn.Module) -> Iterator[nn.Module]:
+    """Items of every ModuleList / Sequential that hold parameters, outermost first."""
+    container = isinstance(module, nn.ModuleList | nn.Sequential)
+    for child in module.children():
+        if container and _holds_parameters(child):
+            yield child  # a block; its own sub-layers are not split further
+        else:
+            yield from _container_items(child)
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def shard(module: nn.Module, mesh: DeviceMesh) -> int:
+    """Shard ``module`` in place over ``mesh``: blocks, then the root; the number of blocks."""
+    blocks = fsdp_blocks(module)
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return len(blocks)
+
+
+def shard_model_and_ema(
+    module: nn.Module, ema_decay: float | None, device: torch.device
+) -> tuple[nn.Module, AveragedModel | None]:
+    """The model sharded, and its EMA (or None) sharded alike, so that the EMA's update is
+    shard by shard and validating with it is a sharded forward.
+
+    One process without a process group has nothing to shard: the model stays plain.
+    """
+    ema = make_ema(module, ema_decay)  # copied before sharding, then sharded the same way
+    if not dist.is_initialized():
+        return module, ema
+    # Ray made the default process group; the mesh reuses it, on this worker's device.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    blocks = shard(module, mesh)
+    if ema is not None:
+        shard(ema.module, mesh)
+    rank_zero_info(
+        logger,
+        "FSDP: %d block(s) and the root sharded over %d worker(s)",
+        blocks,
+        dist.get_world_size(),
+    )
+    return module, ema
+
+
+def equal_forwards(batches: Any, sharded: bool, device: torch.device) -> Iterator[tuple[Any, bool]]:
+    """``(batch, counts)`` for every batch of ``batches`` (``counts`` True); for a sharded
+    model then this rank's first batch again (``counts`` False) until it has run as many
+    forwards as the rank with the most batches: each forward of a sharded model gathers
+    parameters from every rank, so a rank that stopped early would hang the others.
+
+    Raises:
+        RunFailedError: some ranks have batches and some none (too few samples to split).
+    """
+    if not (sharded and dist.is_initialized() and dist.get_world_size() > 1):
+        yield from ((batch, True) for batch in batches)
+        return
+    count = len(batches)
+    extremes = torch.tensor([count, -count], device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    most, fewest = int(extremes[0]), -int(extremes[1])
+    if fewest == 0 < most:
+        raise RunFailedError(
+            f"some workers have no validation batch, and distributed.strategy=fsdp runs "
+            f"every forward on all {dist.get_world_size()} workers; give the data at least "
+            f"scaling.num_workers validation samples or use distributed.strategy=ddp"
+        )
+    first = None
+    for batch in batches:
+        first = batch if first is None else first
+        yield batch, True
+    for _ in range(most - count):
+        yield first, False

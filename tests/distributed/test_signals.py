@@ -1,0 +1,86 @@
+"""Ctrl-C and SIGTERM to a 2-worker `raytrain train`: it checkpoints, exits 130 / 75, and the
+same command resumes to the weights of an uninterrupted run, bit for bit.
+
+The CLI runs as a subprocess in its own session with its own embedded Ray, as a user's
+terminal would run it; Ctrl-C is SIGINT to the whole foreground process group (the driver
+and every Ray process it started), which is what a terminal sends. SIGUSR1 under SLURM:
+tests/cluster/test_slurm.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from fault_runs import assert_same_as, cli_env, fault_config, newest_step, wait_for_checkpoint_after
+
+from raytrain_app.testing.isolation import ray_temp_dir
+from raytrain_app.testing.processes import stop_processes_naming
+
+pytestmark = pytest.mark.distributed
+
+EPOCHS = 4  # 200 optimizer steps, a checkpoint every 10: the session's fault_reference
+
+
+def _interrupt(command: list[str], env: dict, run_dir: Path, send) -> tuple[int, str, int]:
+    """Start ``command`` in a session of its own, call ``send(proc)`` once it has written a
+    checkpoint newer than the run directory's newest, and wait for it to exit.
+
+    Returns its exit code, its output and the newest checkpoint's step before it stopped.
+    """
+    before = newest_step(run_dir)
+    with subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, like a terminal's foreground job
+    ) as proc:
+        seen = wait_for_checkpoint_after(run_dir, before, proc)
+        send(proc)
+        output, _ = proc.communicate(timeout=180)
+    return proc.returncode, output, seen
+
+
+def test_ctrl_c_and_sigterm_checkpoint_exit_130_and_75_and_the_same_command_resumes_exactly(
+    fault_reference, tmp_path
+):
+    # 20 ms per micro-batch (the numbers are the same): time to stop it mid-epoch.
+    cfg = fault_config(tmp_path, "signalled", epochs=EPOCHS, sleep_s=0.02)
+    config_file = tmp_path / "signalled.yaml"
+    config_file.write_text(yaml.safe_dump(cfg))
+    command = [sys.executable, "-m", "raytrain_app.cli", "train", "--no-progress"]
+    command += ["--config", str(config_file)]
+    run_dir = tmp_path / "signalled"
+    ray_tmp = ray_temp_dir("rt-sig-")
+    env = cli_env(ray_tmp)
+    try:
+        # Ctrl-C: SIGINT to the driver and every Ray process in its process group.
+        code, output, seen = _interrupt(
+            command, env, run_dir, lambda proc: os.killpg(proc.pid, signal.SIGINT)
+        )
+        assert code == 130, output
+        assert "stopped on request (SIGINT)" in output, output
+        stopped_at = newest_step(run_dir)
+        assert seen <= stopped_at < EPOCHS * 50, "no checkpoint at the stop"
+
+        # SIGTERM to the driver alone (a scheduler's or `kill`'s) during the resumed run.
+        code, output, seen = _interrupt(
+            command, env, run_dir, lambda proc: proc.send_signal(signal.SIGTERM)
+        )
+        assert code == 75, output
+        assert "resumed from" in output and "stopped on request (SIGTERM)" in output, output
+        assert seen > stopped_at and newest_step(run_dir) < EPOCHS * 50
+
+        final = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        stop_processes_naming(ray_tmp)  # never leave the CLI's Ray behind, even on failure
+    assert final.returncode == 0, final.stdout + final.stderr
+    assert "resumed from" in final.stdout + final.stderr
+    assert_same_as(run_dir, fault_reference)
