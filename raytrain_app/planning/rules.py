@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.planning.batch import PlanError, plan_batch, scaled_lr
 from raytrain_app.planning.environment import Environment, GpuInfo
+from raytrain_app.storage import is_uri
 
 logger = logging.getLogger(__name__)
 
@@ -213,11 +214,35 @@ def choose_grad_compression(requested: str, backend: str, world_size: int) -> st
     return requested
 
 
-def choose_compile(requested: str | bool, use_gpu: bool, gpu: GpuInfo | None) -> bool:
-    """torch.compile pays off on recent GPUs; on CPUs and older GPUs only when asked."""
+def choose_compile(
+    requested: str | bool, use_gpu: bool, gpu: GpuInfo | None, strategy: str = "ddp"
+) -> bool:
+    """torch.compile pays off on recent GPUs; on CPUs and older GPUs only when asked.
+    FSDP runs uncompiled: no test compiles a sharded model yet."""
     if requested == "auto":
-        return bool(use_gpu and gpu and gpu.capability >= (8, 0))
+        return bool(use_gpu and gpu and gpu.capability >= (8, 0) and strategy != "fsdp")
     return bool(requested)
+
+
+def check_fsdp_scope(cfg: RaytrainConfig, precision: str, compiled: bool) -> None:
+    """Refuse, in one line each, what FSDP has not been proven to do (README, "Strategy"):
+    every other combination is tested on CPU with gloo."""
+    problems = {
+        "optimizations.compile=true": compiled,
+        # The GradScaler over shards has no test, and bf16/fp32 need none.
+        "precision=fp16": precision == "fp16",
+        # The memory probe measures the unsharded model, which FSDP exists to avoid.
+        "train.max_batch_per_worker=auto": cfg.train.max_batch_per_worker == "auto",
+        # Shards are uploaded to a filesystem path only (tests/distributed/test_fsdp.py).
+        f"experiment.output_dir={cfg.experiment.output_dir}": is_uri(cfg.experiment.output_dir),
+    }
+    for setting, present in problems.items():
+        if present:
+            key = setting.split("=")[0]
+            raise PlanError(
+                f"{setting} is not supported with distributed.strategy=fsdp yet; change "
+                f"{key} or set distributed.strategy=ddp"
+            )
 
 
 def choose_gradient_checkpointing(requested: str | bool) -> bool:
@@ -275,6 +300,9 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
     cap = cfg.train.max_batch_per_worker
     batch = plan_batch(cfg.train.global_batch_size, world_size, None if cap == "auto" else cap)
     precision, grad_scaler = choose_precision(cfg.precision, use_gpu, env.gpu)
+    compiled = choose_compile(cfg.optimizations.compile, use_gpu, env.gpu, strategy)
+    if strategy == "fsdp":
+        check_fsdp_scope(cfg, precision, compiled)
     loader = cfg.dataloader
     return TrainingPlan(
         world_size=world_size,
@@ -294,7 +322,7 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
             choose_backend(cfg.distributed.backend, use_gpu),
             world_size if strategy == "ddp" else 1,
         ),
-        compile=choose_compile(cfg.optimizations.compile, use_gpu, env.gpu),
+        compile=compiled,
         # The fused CUDA kernel: one launch for all parameters instead of one per tensor.
         fused_optimizer=use_gpu and cfg.train.optimizer in ("adam", "adamw"),
         gradient_checkpointing=choose_gradient_checkpointing(

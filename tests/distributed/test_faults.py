@@ -9,7 +9,6 @@ partial epoch sums are restored from the checkpoint).
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,6 @@ from fault_runs import (
     assert_same_as,
     cli_env,
     fault_config,
-    newest_step,
     wait_for_checkpoint_after,
 )
 from torch import nn
@@ -32,7 +30,6 @@ import raytrain_app as rt
 from raytrain_app.checkpoint import store as ckpt
 from raytrain_app.errors import RunFailedError
 from raytrain_app.testing.isolation import ray_temp_dir
-from raytrain_app.testing.processes import stop_processes_naming, wait_until_gone
 from raytrain_app.tracking.metrics_log import read_metrics
 from raytrain_app.workloads import FactoryRef, build_data
 
@@ -106,41 +103,6 @@ def test_a_hung_collective_fails_the_run_after_distributed_timeout_s(ray_cluster
 
 
 # --------------------------------------------------------------------------- the driver
-
-
-def test_a_sigkilled_driver_loses_nothing(reference, tmp_path):
-    """`raytrain train` SIGKILLed mid-run, then the same command again. (Ctrl-C and SIGTERM:
-    tests/distributed/test_signals.py; SIGUSR1 under SLURM: tests/cluster/test_slurm.py.)"""
-    config_file = tmp_path / "faults.yaml"
-    # 20 ms per micro-batch: about a second per epoch, time to interrupt it mid-epoch.
-    config_file.write_text(yaml.safe_dump(fault_config(tmp_path, "driver", sleep_s=0.02)))
-    command = [sys.executable, "-m", "raytrain_app.cli", "train", "--no-progress"]
-    command += ["--config", str(config_file)]
-    run_dir = tmp_path / "driver"
-    ray_tmp = ray_temp_dir("rt-cli-")
-    env = cli_env(ray_tmp)
-
-    def interrupted(how: signal.Signals) -> tuple[int, str]:
-        with subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        ) as proc:
-            wait_for_checkpoint_after(run_dir, newest_step(run_dir), proc)
-            proc.send_signal(how)
-            output, _ = proc.communicate(timeout=120)
-        return proc.returncode, output
-
-    # SIGKILL: no clean-up at all; the embedded Ray dies with its driver.
-    code, output = interrupted(signal.SIGKILL)
-    assert code == -signal.SIGKILL, output
-    # The processes of the CLI's embedded Ray name its temp dir.
-    leftovers = wait_until_gone(ray_tmp, timeout_s=60)
-    stop_processes_naming(ray_tmp)  # never leave them running, even when the assertion fails
-    assert not leftovers, "Ray processes outlived their SIGKILLed driver"
-
-    final = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert final.returncode == 0, final.stdout + final.stderr
-    assert "resumed from" in final.stdout + final.stderr
-    assert_same_as(run_dir, reference)
 
 
 def test_a_second_run_into_the_same_directory_is_refused_while_the_first_writes(tmp_path):

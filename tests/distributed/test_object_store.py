@@ -151,9 +151,10 @@ def test_parquet_data_in_the_bucket_trains(s3, tmp_path):
     assert (result.run_dir / "summary.json").is_file()
 
 
-def test_a_sweep_in_the_bucket_resumes_after_its_driver_is_killed(s3, tmp_path):
-    """`raytrain tune` SIGKILLed mid-sweep (no clean-up at all), then the same command: the
-    sweep resumes from the bucket and writes its results there."""
+def test_a_sweep_in_the_bucket_resumes_after_ctrl_c_and_after_its_driver_is_killed(s3, tmp_path):
+    """`raytrain tune` interrupted twice: Ctrl-C (exit 130, saying how to resume), then,
+    resumed, SIGKILLed (no clean-up at all); the same command then finishes the sweep from
+    the bucket and writes its results there."""
     cfg = config(s3.uri("sweeps"), "small", workers=1)
     cfg["tracking"] = {"tensorboard": False}
     cfg["tune"] = {
@@ -168,16 +169,35 @@ def test_a_sweep_in_the_bucket_resumes_after_its_driver_is_killed(s3, tmp_path):
     ray_tmp = ray_temp_dir("rt-tune-")
     # The CLI's own embedded Ray; the AWS_* variables of this process (the s3 fixture) too.
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": ray_tmp}
-    with subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc:
-        deadline = time.monotonic() + 180
-        while not any(k.endswith("/metrics.csv") for k in keys(s3, "sweeps", "small", "trials")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.5)
-        proc.kill()
-        proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+
+    def interrupted(how: signal.Signals) -> tuple[int, str]:
+        """Run the sweep until one more trial has written metrics, then send ``how``."""
+        written = len(
+            [k for k in keys(s3, "sweeps", "small", "trials") if k.endswith("/metrics.csv")]
+        )
+        with subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc:
+            deadline = time.monotonic() + 180
+            while (
+                len(
+                    [k for k in keys(s3, "sweeps", "small", "trials") if k.endswith("/metrics.csv")]
+                )
+                <= written
+            ):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+                time.sleep(0.5)
+            proc.send_signal(how)
+            output, _ = proc.communicate(timeout=120)
+        return proc.returncode, output
+
+    code, output = interrupted(signal.SIGINT)
+    assert code == 130, output
+    assert "run the same command again to resume" in output
+
+    code, output = interrupted(signal.SIGKILL)
+    assert code == -signal.SIGKILL, output
+    assert "resuming the sweep" in output
     leftovers = wait_until_gone(ray_tmp, timeout_s=60)
     stop_processes_naming(ray_tmp)
     assert not leftovers, "Ray processes outlived their SIGKILLed driver"

@@ -1,5 +1,6 @@
-"""Ctrl-C and SIGTERM to a 2-worker `raytrain train`: it checkpoints, exits 130 / 75, and the
-same command resumes to the weights of an uninterrupted run, bit for bit.
+"""Ctrl-C, SIGTERM and SIGKILL to a 2-worker `raytrain train`: it checkpoints and exits 130 /
+75 (or dies at once, its embedded Ray with it), and the same command resumes to the weights
+of an uninterrupted run, bit for bit.
 
 The CLI runs as a subprocess in its own session with its own embedded Ray, as a user's
 terminal would run it; Ctrl-C is SIGINT to the whole foreground process group (the driver
@@ -20,7 +21,7 @@ import yaml
 from fault_runs import assert_same_as, cli_env, fault_config, newest_step, wait_for_checkpoint_after
 
 from raytrain_app.testing.isolation import ray_temp_dir
-from raytrain_app.testing.processes import stop_processes_naming
+from raytrain_app.testing.processes import stop_processes_naming, wait_until_gone
 
 pytestmark = pytest.mark.distributed
 
@@ -48,7 +49,7 @@ def _interrupt(command: list[str], env: dict, run_dir: Path, send) -> tuple[int,
     return proc.returncode, output, seen
 
 
-def test_ctrl_c_and_sigterm_checkpoint_exit_130_and_75_and_the_same_command_resumes_exactly(
+def test_ctrl_c_sigterm_and_sigkill_stop_the_run_and_the_same_command_resumes_exactly(
     fault_reference, tmp_path
 ):
     # 20 ms per micro-batch (the numbers are the same): time to stop it mid-epoch.
@@ -77,6 +78,16 @@ def test_ctrl_c_and_sigterm_checkpoint_exit_130_and_75_and_the_same_command_resu
         assert code == 75, output
         assert "resumed from" in output and "stopped on request (SIGTERM)" in output, output
         assert seen > stopped_at and newest_step(run_dir) < EPOCHS * 50
+        stopped_at = newest_step(run_dir)
+
+        # SIGKILL: no clean-up at all; the embedded Ray dies with its driver.
+        code, output, seen = _interrupt(
+            command, env, run_dir, lambda proc: proc.send_signal(signal.SIGKILL)
+        )
+        assert code == -signal.SIGKILL, output
+        assert seen > stopped_at
+        # The processes of the CLI's embedded Ray name its temp dir.
+        assert not wait_until_gone(ray_tmp, timeout_s=60), "Ray outlived its SIGKILLed driver"
 
         final = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     finally:

@@ -10,7 +10,6 @@ import pytest
 import raytrain_app as rt
 from raytrain_app.cli import main
 from raytrain_app.sweep.tuning import BEST_CONFIG_FILE, TRIALS_FILE
-from raytrain_app.testing.isolation import ray_temp_dir
 
 pytestmark = pytest.mark.distributed
 
@@ -112,55 +111,6 @@ def test_a_trial_that_raises_does_not_fail_the_sweep(ray_cluster, tmp_path):
     error = result.trials.loc[result.trials["status"] == "error", "error"].iloc[0]
     assert "nhead" in error
     assert result.best_config.model.params["nhead"] == 4
-
-
-def test_an_interrupted_sweep_resumes_with_the_same_command(ray_cluster, tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    import yaml
-
-    config = tmp_path / "sweep.yaml"
-    cfg = sweep(
-        tmp_path,
-        "resumable",
-        {
-            "num_samples": 3,
-            "max_concurrent_trials": 1,
-            "scheduler": "fifo",
-            "param_space": {"train.lr": {"loguniform": [1.0e-3, 3.0e-3]}},
-        },
-    )
-    cfg["data"] = {"params": {"num_turbines": 2, "num_hours": 2400}}
-    config.write_text(yaml.safe_dump(cfg))
-    command = [sys.executable, "-m", "raytrain_app.cli", "tune", "--config", str(config)]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    # The subprocess's own embedded Ray, under a short path (Unix sockets live there).
-    env["RAY_TMPDIR"] = ray_temp_dir(prefix="rt-tune-")
-
-    run_dir = tmp_path / "resumable"
-    with subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc:
-        deadline = time.monotonic() + 180
-        while not list(run_dir.glob("trials/*/metrics.csv")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, output
-    assert "run the same command again to resume" in output
-
-    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert "resuming the sweep" in rerun.stderr + rerun.stdout
-    trials = (run_dir / TRIALS_FILE).read_text().splitlines()
-    # FIFO stops nothing early: every trial, the interrupted one too, ran all its epochs.
-    assert len(trials) == 4 and all(row.endswith(",3,completed,") for row in trials[1:])
-    assert (run_dir / BEST_CONFIG_FILE).is_file()
 
 
 def _trial_pids(run_dir) -> dict[str, set[int]]:

@@ -268,3 +268,30 @@ def test_resolved_config_has_no_auto_left():
     ]
     assert "auto" not in flat
     assert make_plan(resolved, make_env(cpus=2)) == make_plan(cfg, make_env(cpus=2))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "setting"),
+    [
+        ({"optimizations": {"compile": True}}, make_env(cpus=2), "optimizations.compile=true"),
+        ({"train": {"max_batch_per_worker": "auto"}}, make_env(2, 2, A100), "max_batch_per_worker"),
+        ({}, make_env(cpus=4, gpus=2, gpu=V100), "precision=fp16"),  # auto on a V100
+        ({"experiment": {"output_dir": "s3://bucket/runs"}}, make_env(cpus=2), "s3://bucket/runs"),
+    ],
+)
+def test_fsdp_refuses_what_no_test_proves_in_one_line(overrides, env, setting):
+    cfg = config_from_dict(
+        {"distributed": {"strategy": "fsdp"}, "scaling": {"num_workers": 2}, **overrides}
+    )
+    with pytest.raises(PlanError, match="or set distributed.strategy=ddp$") as err:
+        make_plan(cfg, env)
+    message = str(err.value)
+    assert "\n" not in message and setting in message and "distributed.strategy=fsdp" in message
+
+
+def test_fsdp_on_a_recent_gpu_runs_uncompiled_in_bf16():
+    cfg = config_from_dict({"distributed": {"strategy": "fsdp"}, "scaling": {"num_workers": 2}})
+    plan = make_plan(cfg, make_env(cpus=4, gpus=2, gpu=A100))
+    assert (plan.strategy, plan.precision, plan.compile) == ("fsdp", "bf16", False)
+    ddp = make_plan(config_from_dict({"scaling": {"num_workers": 2}}), make_env(4, 2, A100))
+    assert ddp.compile  # DDP keeps compile on by default on the same GPU
