@@ -49,10 +49,7 @@ class Reporter:
         meta = {**self.meta, "epoch": state.epoch, "step": state.step, "metrics": row}
         with scratch_dir() as directory:
             save_resumable(directory, trainables, state, ranks, meta=meta)
-            if every_rank:
-                self.session.report(reported, directory, name, every_rank=True)
-            else:
-                self.session.report(reported, directory, name)
+            self.session.report(reported, directory, name, every_rank=every_rank)
 
 
 def checkpoint_meta(task: Any, data_info: dict[str, Any]) -> dict[str, Any]:

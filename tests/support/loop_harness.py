@@ -35,9 +35,13 @@ class LocalSession(InProcessSession):
         self.crash_after = crash_after_checkpoints
 
     def report(
-        self, metrics: dict, checkpoint_dir: Path | None, name: str | None, **kwargs: bool
+        self,
+        metrics: dict,
+        checkpoint_dir: Path | None,
+        name: str | None,
+        every_rank: bool = False,
     ) -> None:
-        super().report(metrics, checkpoint_dir, name, **kwargs)
+        super().report(metrics, checkpoint_dir, name, every_rank)
         if checkpoint_dir is None:
             return
         if self.crash_after is not None and len(self.checkpoints()) >= self.crash_after:
