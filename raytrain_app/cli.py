@@ -152,6 +152,32 @@ def _kept(keep: int | None) -> str:
     return "every checkpoint, best" if keep is None else f"the {keep} best"
 
 
+def _workers(plan) -> str:
+    if plan.worker_range is None:
+        return str(plan.world_size)
+    low, high = plan.worker_range
+    return f"{low} to {high} (elastic)"
+
+
+def _elastic_lines(plan) -> list[str]:
+    """Each size an elastic run may have, with its split (the ends only for long ranges)."""
+    if plan.worker_range is None:
+        return []
+    from raytrain_app.planning.rules import plan_for_world_size
+
+    low, high = plan.worker_range
+    sizes = range(low, high + 1) if high - low < 6 else (low, high)
+    splits = []
+    for size in sizes:
+        sized = plan_for_world_size(plan, size)
+        splits.append(f"{size} x {sized.per_worker_batch_size} x {sized.grad_accum_steps}")
+    return [
+        f"elastic     : workers x micro-batch x accumulation = {', '.join(splits)}; global "
+        f"batch {plan.effective_batch_size} at every size; a resize restarts from the newest "
+        f"checkpoint"
+    ]
+
+
 def _format_plan(env, plan) -> str:
     r = env.resources
     gpu = (
@@ -164,13 +190,14 @@ def _format_plan(env, plan) -> str:
             f"environment : {env.platform}, python {env.python}, torch {env.torch_version}, "
             f"launcher {env.launcher}",
             f"resources   : {r.cpus:g} CPUs, {r.gpus:g} GPUs, {r.nodes} node(s) ({r.source}){gpu}",
-            f"workers     : {plan.world_size} on {plan.device} ({plan.cpus_per_worker:g} CPU"
+            f"workers     : {_workers(plan)} on {plan.device} ({plan.cpus_per_worker:g} CPU"
             + (f", {plan.gpus_per_worker:g} GPU" if plan.use_gpu else "")
             + " each)"
             + ("" if plan.fits else "; more than can be hosted now (see the warning above)"),
             f"batch       : {plan.per_worker_batch_size} per worker x {plan.world_size} workers x "
             f"{plan.grad_accum_steps} accumulation = {plan.effective_batch_size} effective"
             + (", micro-batch probed on the GPUs at start" if plan.memory_probe else ""),
+            *_elastic_lines(plan),
             f"precision   : {plan.precision}"
             + (" + GradScaler" if plan.grad_scaler else "")
             + (", TF32 matmul" if plan.tf32 else ""),

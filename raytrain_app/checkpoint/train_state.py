@@ -76,6 +76,14 @@ class LoopState:
     history: list[dict[str, float]] = field(default_factory=list)
     step_in_epoch: int = 0  # steps of the unfinished epoch ``epoch`` already taken
     skipped_steps: int = 0  # steps skipped for a non-finite loss (train.on_nonfinite=skip)
+    # [first optimizer step, world size] of each stretch trained at one size (elastic runs
+    # resize; a resume may use another size).
+    segments: list[list[int]] = field(default_factory=list)
+
+    def note_world_size(self, world_size: int) -> None:
+        """Start a segment at the current step if the size changed (or on the first start)."""
+        if not self.segments or self.segments[-1][1] != world_size:
+            self.segments = [*self.segments, [self.step, world_size]]
 
 
 @dataclass
@@ -131,6 +139,7 @@ def _loop_state(t: Trainables, state: LoopState, ranks: list[dict[str, Any]]) ->
         "step_in_epoch": state.step_in_epoch,
         "skipped_steps": state.skipped_steps,
         "history": state.history,
+        "segments": state.segments,
         "ranks": ranks,
         "ema_n_averaged": int(t.ema.n_averaged) if t.ema is not None else 0,
     }
@@ -190,6 +199,7 @@ def load_resumable(
         history=saved["history"],
         step_in_epoch=saved["step_in_epoch"],
         skipped_steps=saved["skipped_steps"],
+        segments=saved.get("segments", []),  # absent in checkpoints of earlier versions
     )
     return Resumed(directory, state, saved["ranks"])
 

@@ -10,6 +10,8 @@ PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+# An elastic worker count: [min, max].
+WorkerRange = Annotated[list[PositiveInt], Field(min_length=2, max_length=2)]
 
 
 class ConfigError(BadInputError):

@@ -69,6 +69,10 @@ def _alternatives(tp: Any, constraints: Sequence[Any] = ()) -> list[tuple[str, b
         return [("a string" if empty_ok else "a non-empty string", False)]
     if origin is dict:
         return [("a mapping with string keys", False)]
+    if origin is list:  # the [min, max] worker range, the only list in the schema
+        (item,) = get_args(tp)
+        items = [phrase.replace("an integer", "integers", 1) for phrase, _ in _alternatives(item)]
+        return [(f"[min, max] of {phrase}", False) for phrase in items]
     if isinstance(tp, type) and issubclass(tp, BaseModel):
         return [(f"a mapping with keys {', '.join(tp.model_fields)}", False)]
     return [(getattr(tp, "__name__", str(tp)), False)]

@@ -1,11 +1,17 @@
 """The sections saying how workers train: optimisation, scaling, parallelism, loading, restarts."""
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from raytrain_app.config.base import NonNegativeInt, PositiveFloat, PositiveInt, _Section
+from raytrain_app.config.base import (
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    WorkerRange,
+    _Section,
+)
 
 _MONITOR = re.compile(r"(train|val)_\w+")
 
@@ -111,10 +117,13 @@ class TrainConfig(_Section):
 class ScalingConfig(_Section):
     """How many Ray Train workers run and what each one reserves."""
 
-    num_workers: Literal["auto"] | PositiveInt = Field(
+    num_workers: Literal["auto"] | PositiveInt | WorkerRange = Field(
         "auto",
         description="Number of training workers; auto uses as many GPUs (or CPUs / "
-        "cpus_per_worker) as split global_batch_size evenly.",
+        "cpus_per_worker) as split global_batch_size evenly; [min, max] trains elastically: "
+        "Ray starts with as many as the cluster has room for, restarts with fewer when a "
+        "worker or node is lost and grows when resources return, every size training with "
+        "the same global batch.",
     )
     use_gpu: Literal["auto"] | bool = Field(
         "auto", description="Train on GPUs; auto uses them when the cluster has any."
@@ -123,6 +132,23 @@ class ScalingConfig(_Section):
     gpus_per_worker: PositiveFloat = Field(
         1.0, description="GPUs Ray reserves for each worker when use_gpu is on; may be fractional."
     )
+    elastic_resize_interval_s: PositiveFloat = Field(
+        60.0,
+        description="With num_workers [min, max]: seconds between Ray's checks for room to "
+        "grow the worker group; a resize restarts the workers from the newest checkpoint.",
+    )
+
+    @field_validator("num_workers")
+    @classmethod
+    def _ordered_range(cls, value: Any) -> Any:
+        """``[min, max]`` with min <= max; ``[n, n]`` is the fixed size n."""
+        if isinstance(value, list):
+            low, high = value
+            if low > high:
+                raise ValueError(f"[min, max] needs min <= max, got [{low}, {high}]")
+            if low == high:
+                return low
+        return value
 
 
 class DistributedConfig(_Section):

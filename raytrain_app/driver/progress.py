@@ -36,7 +36,10 @@ class EpochBars:
             )
         self._bar.update(snap["step"] - self._bar.n)
         self._bar.set_postfix(
-            loss=f"{snap['loss']:.4f}", samples_s=f"{snap['samples_per_s']:.0f}", refresh=False
+            loss=f"{snap['loss']:.4f}",
+            samples_s=f"{snap['samples_per_s']:.0f}",
+            workers=snap["workers"],  # an elastic run changes its size
+            refresh=False,
         )
         self._bar.refresh()
 

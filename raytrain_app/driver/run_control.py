@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_app.driver.progress import EpochBars
 
@@ -51,7 +52,10 @@ class DriverControl:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> DriverControl:
-        self.actor = RunControl.remote()
+        # On the driver's own node: placed anywhere (it needs no CPU), it could land on a
+        # node the run later loses, and every worker would then fail with it.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.actor = RunControl.options(scheduling_strategy=here).remote()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self

@@ -9,6 +9,8 @@ itself or cannot use.
   process) there is no autoscaler to ask for resources and no placement group can outlive
   the driver, so the autoscaling-coordinator and placement-group-cleaner actors are not
   started.
+- An elastic run (``scaling.num_workers: [min, max]``) decides each size on the cluster's
+  current nodes rather than on a view up to 20 s old.
 
 Each is one more process that starts and imports Ray before the first step, and two of
 them kept polling during training (benchmarks/README.md has the cost). These are Ray
@@ -18,6 +20,7 @@ trainer still runs, restarts and stops with them left out.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import ray.train
@@ -27,7 +30,9 @@ from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import (
     PlacementGroupCleanerCallback,
 )
+from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+from ray.train.v2._internal.util import time_monotonic
 
 from raytrain_app.checkpoint.ranking import checkpoint_retention
 from raytrain_app.config import RaytrainConfig
@@ -36,6 +41,9 @@ from raytrain_app.driver.signals import stop_on_signals
 from raytrain_app.planning.environment import storage_env_vars, training_worker_env_vars
 from raytrain_app.storage import StorageLocation
 from raytrain_app.worker.loop import WorkerTask, train_worker
+
+# How long a decision waits for the coordinator's recomputed view (Ray's own query: 5 s).
+_COORDINATOR_TIMEOUT_S = 5.0
 
 
 class RaytrainTorchTrainer(TorchTrainer):
@@ -66,6 +74,10 @@ class RaytrainTorchTrainer(TorchTrainer):
             controller_init_kwargs["scaling_policy"] = _FixedScalingWithoutAutoscaler(
                 self.scaling_config
             )
+        if type(policy) is ElasticScalingPolicy:
+            controller_init_kwargs["scaling_policy"] = _ElasticScalingOnCurrentNodes(
+                self.scaling_config
+            )
         # The controller reads and writes the run's storage too (Ray's validation file, its
         # checkpoint bookkeeping): it gets the driver's AWS_* variables the way Ray Train
         # passes its own settings to it (the workers get them in worker_runtime_env).
@@ -89,6 +101,32 @@ class _FixedScalingWithoutAutoscaler(FixedScalingPolicy):
 
     def _cancel_resource_request(self) -> None:
         return None
+
+
+class _ElasticScalingOnCurrentNodes(ElasticScalingPolicy):
+    """Ray's elastic policy, deciding on the cluster as it is now.
+
+    Ray's autoscaling coordinator refreshes its view of the nodes every 20 s. Without a
+    fresh look, a restart right after a node was lost plans a worker on the dead node and
+    waits out the worker-group start timeout (60 s) before trying again with fewer, and a
+    node that joined stays unseen for as long. Each decision (at most one a second while
+    restarting, one per scaling.elastic_resize_interval_s while training) asks the
+    coordinator to recompute first.
+    """
+
+    def _get_reserved_resources(self) -> Any:
+        since = time_monotonic() - self._latest_reserved_resources_query_time
+        if since >= self.GET_RESERVED_RESOURCES_INTERVAL_S:
+            # A failure here costs only the fresh view: Ray's own query below still runs
+            # (and logs its failure if the coordinator is unreachable).
+            with contextlib.suppress(Exception):
+                ray.get(
+                    self._autoscaling_coordinator.get_reserved_resources.remote(
+                        self._requester_id, recompute=True
+                    ),
+                    timeout=_COORDINATOR_TIMEOUT_S,
+                )
+        return super()._get_reserved_resources()
 
 
 def run_trainer(
@@ -116,7 +154,10 @@ def run_trainer(
         worker_runtime_env={"env_vars": {**training_worker_env_vars(), **storage_env_vars()}},
     )
     scaling = ray.train.ScalingConfig(
-        num_workers=plan.world_size,
+        # (min, max): Ray Train's elastic mode; the workers re-split the batch for the size
+        # they get (worker.loop, planning.rules.plan_for_world_size).
+        num_workers=plan.worker_range or plan.world_size,
+        elastic_resize_monitor_interval_s=cfg.scaling.elastic_resize_interval_s,
         use_gpu=plan.use_gpu,
         resources_per_worker={
             "CPU": plan.cpus_per_worker,

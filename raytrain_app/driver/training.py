@@ -122,7 +122,14 @@ def _summary(
         "status": "stopped" if returned.get("stopped") else "completed",
         "final_metrics": history[-1] if history else {},
         "epochs_completed": len(history),
-        "world_size": plan.world_size,
+        # The size the run ended with, and the [first step, size] of each stretch trained
+        # at one size (several when an elastic run resized or a resume changed the size).
+        "world_size": returned.get("world_size", plan.world_size),
+        "world_size_segments": [
+            {"step": step, "world_size": size}
+            for step, size in returned.get("world_size_segments", [])
+        ],
+        **({"worker_range": list(plan.worker_range)} if plan.worker_range else {}),
         # The workers' split: a memory probe (max_batch_per_worker: auto) may change it.
         "per_worker_batch_size": returned.get("per_worker_batch_size", plan.per_worker_batch_size),
         "grad_accum_steps": returned.get("grad_accum_steps", plan.grad_accum_steps),

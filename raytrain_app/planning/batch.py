@@ -30,7 +30,8 @@ class BatchPlan:
         return self.micro_batch * self.world_size * self.accum_steps
 
 
-def _nearest_multiples(value: int, step: int) -> list[int]:
+def nearest_multiples(value: int, step: int) -> list[int]:
+    """The multiples of ``step`` just below and above ``value`` (positive ones only)."""
     lower = (value // step) * step
     return [m for m in (lower, lower + step) if m > 0]
 
@@ -42,7 +43,7 @@ def plan_batch(global_batch: int, world_size: int, max_per_worker: int | None) -
     ``max_per_worker``, so accumulation is used only as much as the memory cap requires.
     """
     if global_batch % world_size:
-        suggestions = " or ".join(str(m) for m in _nearest_multiples(global_batch, world_size))
+        suggestions = " or ".join(str(m) for m in nearest_multiples(global_batch, world_size))
         raise PlanError(
             f"train.global_batch_size={global_batch} cannot be split evenly over {world_size} "
             f"workers; set train.global_batch_size to a multiple of {world_size} "
@@ -53,7 +54,7 @@ def plan_batch(global_batch: int, world_size: int, max_per_worker: int | None) -
     micro = max(d for d in range(1, cap + 1) if per_worker % d == 0)
     plan = BatchPlan(world_size=world_size, micro_batch=micro, accum_steps=per_worker // micro)
     if max_per_worker is not None and micro * 2 <= max_per_worker and plan.accum_steps > 1:
-        better = _nearest_multiples(global_batch, world_size * max_per_worker)
+        better = nearest_multiples(global_batch, world_size * max_per_worker)
         logger.warning(
             "train.global_batch_size=%d over %d workers only splits into micro-batches of %d "
             "under train.max_batch_per_worker=%d; a global batch of %s would use the full cap",

@@ -8,10 +8,11 @@ runs (``raytrain plan``), unit-tested without Ray, and logged once on rank 0.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 
 from raytrain_app.config import RaytrainConfig
-from raytrain_app.planning.batch import PlanError, plan_batch, scaled_lr
+from raytrain_app.planning.batch import PlanError, nearest_multiples, plan_batch, scaled_lr
 from raytrain_app.planning.environment import Environment, GpuInfo
 from raytrain_app.storage import is_uri
 
@@ -63,6 +64,9 @@ class TrainingPlan:
     # The most samples one forward may take on a worker: train.max_batch_per_worker, or
     # after the memory probe what fits; None: no cap. Validation batches stay within it.
     max_batch_per_worker: int | None = None
+    # (min, max) workers of an elastic run, None for a fixed size. world_size is max, the
+    # size the split above is for; workers re-split for the size they get (plan_for_world_size).
+    worker_range: tuple[int, int] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,8 +80,15 @@ def available_devices(env: Environment, use_gpu: bool, cpus_per_worker: float) -
     return max(1, sum(int(cpus // cpus_per_worker) for cpus in per_node))
 
 
+def worker_range(cfg: RaytrainConfig) -> tuple[int, int] | None:
+    """``scaling.num_workers`` as ``(min, max)`` for an elastic run; None for a fixed size."""
+    requested = cfg.scaling.num_workers
+    return (requested[0], requested[1]) if isinstance(requested, list) else None
+
+
 def choose_world_size(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> int:
-    """``scaling.num_workers``, or for ``auto`` the most devices that split the batch evenly."""
+    """``scaling.num_workers``, or for ``auto`` the most devices that split the batch evenly;
+    for an elastic ``[min, max]``, max: the size a run starts with when there is room."""
     requested = cfg.scaling.num_workers
     devices = available_devices(env, use_gpu, cfg.scaling.cpus_per_worker)
     if cfg.distributed.strategy == "single":
@@ -87,10 +98,71 @@ def choose_world_size(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> i
                 f"{requested}; set scaling.num_workers=1 or distributed.strategy=ddp"
             )
         return 1
+    if isinstance(requested, list):
+        return requested[1]
     if requested != "auto":
         return requested
     global_batch = cfg.train.global_batch_size
     return max(w for w in range(1, max(devices, 1) + 1) if global_batch % w == 0)
+
+
+def check_elastic_range(cfg: RaytrainConfig, low: int, high: int, cap: int | None) -> None:
+    """Every world size Ray may pick in ``[low, high]`` must split the global batch (under
+    the memory cap), so that every size trains the same optimisation."""
+    global_batch = cfg.train.global_batch_size
+    if cfg.fault_tolerance.max_failures == 0:
+        raise PlanError(
+            f"scaling.num_workers=[{low}, {high}] continues after a lost worker by restarting, "
+            f"which fault_tolerance.max_failures=0 forbids; set fault_tolerance.max_failures "
+            f"above 0 (-1: unlimited)"
+        )
+    if cfg.distributed.grad_compression == "powersgd":
+        raise PlanError(
+            f"distributed.grad_compression=powersgd keeps error-feedback state that a resize "
+            f"of scaling.num_workers=[{low}, {high}] would drop; set "
+            f"distributed.grad_compression=none or a fixed scaling.num_workers"
+        )
+    bad = [w for w in range(low, high + 1) if not _splits(global_batch, w, cap)]
+    if not bad:
+        return
+    lcm = math.lcm(*range(low, high + 1))
+    batches = " or ".join(str(m) for m in nearest_multiples(global_batch, lcm))
+    ranges = _valid_subranges(global_batch, low, high, cap)
+    narrower = f"scaling.num_workers={list(ranges[0])}" if ranges else "a fixed scaling.num_workers"
+    raise PlanError(
+        f"train.global_batch_size={global_batch} cannot be split evenly over "
+        f"{_either(bad)} workers, which scaling.num_workers=[{low}, {high}] "
+        f"allows; narrow it to {narrower} or set train.global_batch_size to a multiple of "
+        f"{lcm} (e.g. {batches})"
+    )
+
+
+def _either(values: list[int]) -> str:
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def _splits(global_batch: int, world_size: int, cap: int | None) -> bool:
+    try:
+        plan_batch(global_batch, world_size, cap)
+    except PlanError:
+        return False
+    return True
+
+
+def _valid_subranges(global_batch: int, low: int, high: int, cap: int | None) -> list[tuple]:
+    """The widest runs of consecutive valid sizes inside ``[low, high]``, widest and then
+    largest first (a single size is a fixed run, not a range)."""
+    runs, start = [], None
+    for w in range(low, high + 2):
+        ok = w <= high and _splits(global_batch, w, cap)
+        if ok and start is None:
+            start = w
+        elif not ok and start is not None:
+            if w - 1 > start:
+                runs.append((start, w - 1))
+            start = None
+    return sorted(runs, key=lambda r: (r[1] - r[0], r[1]), reverse=True)
 
 
 def hosting_problem(
@@ -296,9 +368,22 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
     use_gpu = choose_use_gpu(cfg, env)
     strategy = choose_strategy(cfg.distributed.strategy, cfg.distributed.grad_compression)
     world_size = choose_world_size(cfg, env, use_gpu)
-    fits = _check_hosting(cfg, env, use_gpu, world_size, preview)
+    elastic = worker_range(cfg)
     cap = cfg.train.max_batch_per_worker
-    batch = plan_batch(cfg.train.global_batch_size, world_size, None if cap == "auto" else cap)
+    fixed_cap = None if cap == "auto" else cap
+    if elastic:
+        check_elastic_range(cfg, *elastic, fixed_cap)
+        # The run needs room for min workers; it grows to max as the cluster allows.
+        fits = _check_hosting(cfg, env, use_gpu, elastic[0], preview)
+        if fits and hosting_problem(cfg, env, use_gpu, world_size):
+            logger.info(
+                "scaling.num_workers=%s: %d workers fit now; the run grows when more do",
+                list(elastic),
+                available_devices(env, use_gpu, cfg.scaling.cpus_per_worker),
+            )
+    else:
+        fits = _check_hosting(cfg, env, use_gpu, world_size, preview)
+    batch = plan_batch(cfg.train.global_batch_size, world_size, fixed_cap)
     precision, grad_scaler = choose_precision(cfg.precision, use_gpu, env.gpu)
     compiled = choose_compile(cfg.optimizations.compile, use_gpu, env.gpu, strategy)
     if strategy == "fsdp":
@@ -352,13 +437,30 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
         tracking=tuple(enabled_outputs(cfg)),
         fits=fits,
         max_batch_per_worker=None if cap in (None, "auto") else cap,
+        worker_range=elastic,
+    )
+
+
+def plan_for_world_size(plan: TrainingPlan, world_size: int) -> TrainingPlan:
+    """The plan for the ``world_size`` an elastic run's workers got: the same global batch
+    re-split over them, everything else unchanged (the lr, by optimizer step, too)."""
+    if world_size == plan.world_size:
+        return plan
+    batch = plan_batch(plan.effective_batch_size, world_size, plan.max_batch_per_worker)
+    return replace(
+        plan,
+        world_size=world_size,
+        per_worker_batch_size=batch.micro_batch,
+        grad_accum_steps=batch.accum_steps,
+        # Nothing to compress between one worker's gradients.
+        grad_compression=plan.grad_compression if world_size > 1 else "none",
     )
 
 
 def resolve_config(cfg: RaytrainConfig, plan: TrainingPlan) -> RaytrainConfig:
     """The config with every ``auto`` replaced by the plan's choice (re-runnable as is)."""
     resolved = cfg.model_copy(deep=True)
-    resolved.scaling.num_workers = plan.world_size
+    resolved.scaling.num_workers = list(plan.worker_range) if plan.worker_range else plan.world_size
     resolved.scaling.use_gpu = plan.use_gpu
     resolved.distributed.strategy = plan.strategy
     resolved.distributed.backend = plan.backend

@@ -35,6 +35,27 @@ def pids_naming(marker: str) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process started by ``pid``, and by those, and so on (from /proc's parent ids)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # The fields after the command name, which may itself hold spaces or ')'.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 def wait_until_gone(marker: str, timeout_s: float) -> list[int]:
     """Wait up to ``timeout_s`` for every process naming ``marker`` to exit; those left."""
     deadline = time.monotonic() + timeout_s

@@ -6,8 +6,11 @@ temp dir on their command lines and signalled one by one (``processes``).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from raytrain_app.testing.isolation import isolated_env, ray_temp_dir
 from raytrain_app.testing.ports import free_ports
-from raytrain_app.testing.processes import stop_processes_naming
+from raytrain_app.testing.processes import descendants, pids_naming, stop_processes_naming
 
 START_TIMEOUT_S = 120.0  # ``ray start --head`` itself
 JOB_SERVER_TIMEOUT_S = 60.0  # then until the dashboard's job API answers
@@ -47,7 +50,12 @@ class RayHead:
 
 
 def start_head(
-    root: Path, num_cpus: int = 2, *, pythonpath: str | None = None, temp_dir: str | None = None
+    root: Path,
+    num_cpus: int = 2,
+    *,
+    pythonpath: str | None = None,
+    temp_dir: str | None = None,
+    node_death_s: float | None = None,
 ) -> RayHead:
     """``ray start --head`` with token auth on free ports; returns once the job server answers.
 
@@ -58,6 +66,8 @@ def start_head(
             none at all, so user code reaches the cluster only with a job, as on a real one.
         temp_dir: Ray's temp dir, made here when None. A caller that must know the head's
             processes from their start (by this marker) makes it first.
+        node_death_s: about how long the head takes to declare a silent node dead (Ray's
+            default is some 15-30 s of missed health checks); None keeps Ray's.
     """
     ports = free_ports(8)
     gcs, dashboard = ports[:2]
@@ -75,6 +85,13 @@ def start_head(
     head_vars = {"RAY_AUTH_TOKEN": token, "RAY_AUTH_MODE": "token"}
     if pythonpath:
         head_vars["PYTHONPATH"] = pythonpath
+    if node_death_s is not None:  # read by the GCS, which ray start launches
+        period_ms = max(100, int(node_death_s * 1000 / 3))
+        head_vars |= {
+            "RAY_health_check_period_ms": str(period_ms),
+            "RAY_health_check_timeout_ms": str(period_ms),
+            "RAY_health_check_failure_threshold": "3",
+        }
     env = isolated_env(head.home / "head", without=("PYTHONPATH",), **head_vars)
     try:
         started = subprocess.run(
@@ -138,3 +155,62 @@ def _wait_for_job_server(head: RayHead) -> None:
                     f"{JOB_SERVER_TIMEOUT_S:.0f} s: {exc}"
                 ) from exc
             time.sleep(0.5)
+
+
+@dataclass(frozen=True)
+class RayNode:
+    """A worker node joined to a ``RayHead``, on this machine with its own temp dir."""
+
+    temp_dir: str
+
+    def lose(self) -> None:
+        """SIGKILL the node's processes and every process they started (its Ray workers
+        included), as a machine that fails or is preempted: nothing exits tidily."""
+        pids = set(pids_naming(self.temp_dir))
+        pids |= {child for pid in pids for child in descendants(pid)}
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def stop(self) -> None:
+        stop_processes_naming(self.temp_dir)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def join_node(head: RayHead, num_cpus: int = 1, *, pythonpath: str | None = None) -> RayNode:
+    """``ray start --address`` of another node with ``num_cpus``, on free ports, with its
+    own temp dir (the marker its processes are found by). ``pythonpath`` as ``start_head``."""
+    node = RayNode(temp_dir=ray_temp_dir("rt-node-"))
+    manager, objects, agent_listen, agent_grpc, runtime_env, metrics = free_ports(6)
+    node_vars = {"RAY_AUTH_TOKEN": head.token, "RAY_AUTH_MODE": "token"}
+    if pythonpath:
+        node_vars["PYTHONPATH"] = pythonpath
+    env = isolated_env(head.home / "node", without=("PYTHONPATH",), **node_vars)
+    command = [
+        str(Path(sys.executable).parent / "ray"),
+        "start",
+        f"--address={head.gcs_address}",
+        "--node-ip-address=127.0.0.1",
+        f"--num-cpus={num_cpus}",
+        f"--temp-dir={node.temp_dir}",
+        f"--node-manager-port={manager}",
+        f"--object-manager-port={objects}",
+        f"--dashboard-agent-listen-port={agent_listen}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--runtime-env-agent-port={runtime_env}",
+        f"--metrics-export-port={metrics}",
+        "--disable-usage-stats",
+    ]
+    try:
+        started = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S
+        )
+        if started.returncode != 0:
+            raise RuntimeError(
+                f"ray start --address failed ({started.returncode}): {started.stderr[-2000:]}"
+            )
+    except BaseException:
+        node.stop()
+        raise
+    return node

@@ -26,7 +26,7 @@ from raytrain_app.config import RaytrainConfig, config_from_dict
 from raytrain_app.errors import RunFailedError
 from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
 from raytrain_app.planning.batch import steps_per_epoch
-from raytrain_app.planning.rules import TrainingPlan
+from raytrain_app.planning.rules import TrainingPlan, plan_for_world_size
 from raytrain_app.protocol import ModelSpec
 from raytrain_app.tracking.metrics_log import MetricsLog
 from raytrain_app.tracking.run_files import RankZeroFiles
@@ -84,10 +84,12 @@ class WorkerLoop:
     def __init__(self, task: WorkerTask, session: WorkerSession) -> None:
         self.task = task
         self.session = session
-        self.plan = task.plan
         self.cfg: RaytrainConfig = config_from_dict(task.config)
         self.rank = session.world_rank
         self.world_size = session.world_size
+        # An elastic run's workers may be fewer or more than the plan's size: the same
+        # global batch, re-split for the workers there are.
+        self.plan = plan_for_world_size(task.plan, self.world_size)
         self.state = LoopState()
         self._resumed_epoch: dict[str, Any] | None = None  # this rank's mid-epoch sums
         self._stop = False  # the ranks agreed to checkpoint and stop
@@ -113,6 +115,7 @@ class WorkerLoop:
         set_rank(self.rank)
         self.setup()
         self.resume()
+        self.state.note_world_size(self.world_size)
         nodes = sorted(set(gather(self.session.node_address(), self.world_size)))
         # Rank 0 writes its files locally (staged when the run directory is an object store);
         # the tracker uploads them after every epoch and when it closes.
@@ -154,6 +157,8 @@ class WorkerLoop:
             "per_worker_batch_size": self.plan.per_worker_batch_size,
             "grad_accum_steps": self.plan.grad_accum_steps,
             "gradient_checkpointing": self.plan.gradient_checkpointing,
+            "world_size": self.world_size,
+            "world_size_segments": self.state.segments,
         }
 
     # -- setup ---------------------------------------------------------------------------
@@ -353,6 +358,7 @@ class WorkerLoop:
             steps=self.steps_per_epoch,
             loss=float(loss.detach()),
             samples_per_s=step * self.plan.effective_batch_size / max(elapsed, 1e-9),
+            workers=self.world_size,
         )
 
     def _step_checkpoint_due(self) -> bool:
@@ -367,6 +373,7 @@ class WorkerLoop:
             **progress.averages.global_means("train_", self._metric_names or []),
         }
         row["lr"] = self.stepper.lr()
+        row["world_size"] = self.world_size  # an elastic run's size at the epoch's end
         # elapsed_s is the whole epoch's training time, the part before a resume included
         # (without the time lost to the interruption), so the rate is over all its steps.
         epoch_samples = self.steps_per_epoch * self.plan.effective_batch_size

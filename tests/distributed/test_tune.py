@@ -100,12 +100,14 @@ def test_a_trial_that_raises_does_not_fail_the_sweep(ray_cluster, tmp_path):
         "failing",
         {
             "scheduler": "fifo",
+            "num_samples": 1,  # the grid's two trials, once each
             # nhead=3 cannot divide d_model=16: that trial's model factory raises.
             "param_space": {"model.params.nhead": {"grid": [4, 3]}},
         },
     )
     cfg["train"] = {"epochs": 1}
     result = rt.tune(cfg)
+    assert len(result.trials) == 2
     by_head = dict(zip(result.trials["model.params.nhead"], result.trials["status"], strict=True))
     assert by_head == {4: "completed", 3: "error"}
     error = result.trials.loc[result.trials["status"] == "error", "error"].iloc[0]

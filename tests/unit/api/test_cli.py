@@ -314,3 +314,15 @@ def test_predict_missing_checkpoint_exits_2_with_one_line(no_ray, capsys, tmp_pa
     assert cli.main(["predict", "--checkpoint", "/nonexistent"]) == 2
     _one_error_line(capsys.readouterr().err, "/nonexistent", "--checkpoint")
     assert not Path(tmp_path / "predictions.parquet").exists()
+
+
+@needs_cpu_machine
+def test_raytrain_plan_prints_the_range_and_every_sizes_split(capsys):
+    args = ["plan", "--set", "scaling.num_workers=[1,2]", "--set", "train.global_batch_size=64"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "workers     : 1 to 2 (elastic)" in text
+    assert "workers x micro-batch x accumulation = 1 x 64 x 1, 2 x 32 x 1" in text
+    assert cli.main([*args, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["worker_range"] == [1, 2] and shown["effective_batch_size"] == 64

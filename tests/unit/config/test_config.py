@@ -346,7 +346,8 @@ def test_bad_values(data, overrides, expected):
 def test_bad_value_via_set_names_the_flag():
     message = config_error({}, ["scaling.num_workers=0"])
     assert message == (
-        "invalid value for 'scaling.num_workers': 0 (must be auto or an integer >= 1), "
+        "invalid value for 'scaling.num_workers': 0 (must be auto, an integer >= 1 or [min, max] "
+        "of integers >= 1), "
         "from --set scaling.num_workers=0"
     )
 

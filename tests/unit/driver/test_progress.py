@@ -7,9 +7,9 @@ import io
 from raytrain_app.driver.progress import EpochBars
 
 
-def snapshot(epoch: int, step: int, loss: float = 0.5) -> dict:
+def snapshot(epoch: int, step: int, loss: float = 0.5, workers: int = 2) -> dict:
     return {"epoch": epoch, "epochs": 3, "step": step, "steps": 200, "loss": loss,
-            "samples_per_s": 1000.0}  # fmt: skip
+            "samples_per_s": 1000.0, "workers": workers}  # fmt: skip
 
 
 def shown(out: io.StringIO) -> str:
@@ -38,3 +38,13 @@ def test_each_epoch_gets_its_own_bar_and_the_finished_one_stays():
     text = out.getvalue()
     assert "epoch 1/3" in text and "200/200" in text
     assert "epoch 2/3" in text and "15/200" in text
+
+
+def test_the_bar_shows_how_many_workers_train_now():
+    out = io.StringIO()
+    bars = EpochBars(file=out, mininterval=0)
+    bars.show(snapshot(1, 10, workers=2))
+    assert "workers=2" in shown(out)
+    bars.show(snapshot(1, 20, workers=1))  # an elastic run lost a worker
+    assert "workers=1" in shown(out)
+    bars.close()

@@ -1,0 +1,131 @@
+"""Elastic training (``scaling.num_workers: [1, 2]``) on a real Ray cluster whose second
+node is lost and later replaced: the run goes on with one worker, grows back to two, and
+ends where an uninterrupted two-worker run ends, because every size trains the same global
+batch on the same samples per optimizer step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from fault_runs import fault_config
+from paths import ROOT
+
+import raytrain_app as rt
+from raytrain_app.checkpoint import store as ckpt
+from raytrain_app.testing.ray_head import RayHead, RayNode, join_node, start_head
+from raytrain_app.tracking.metrics_log import read_metrics
+
+pytestmark = pytest.mark.cluster
+
+# What the cluster's workers import: the fault workload and the sine data it builds on.
+WORKLOADS = f"{ROOT / 'tests' / 'support' / 'workloads'}:{ROOT / 'examples'}"
+STEPS = 200  # 4 epochs of 50 optimizer steps (fault_config)
+# Ray Train waits this long for a worker group it cannot place before it decides again
+# (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s by default). Right after a node is lost
+# Ray may still count it, and the first restart waits for its worker in vain.
+START_TIMEOUT_S = "10"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A head and one more node, one CPU each; a silent node is declared dead in ~2 s."""
+    head = start_head(tmp_path_factory.mktemp("elastic"), 1, pythonpath=WORKLOADS, node_death_s=2)
+    nodes = [join_node(head, pythonpath=WORKLOADS)]
+    yield head, nodes
+    for node in nodes:
+        node.stop()
+    head.stop()
+
+
+def train_command(head: RayHead, config: Path, **env: str) -> tuple[list[str], dict]:
+    command = ["raytrain", "train", "--no-progress", "--config", str(config)]
+    return [*command, "--address", head.gcs_address], head.client_env(PYTHONPATH=WORKLOADS, **env)
+
+
+def write_config(tmp_path: Path, name: str, **changes) -> Path:
+    """The fault workload without dropout (random masks restart from the seed when the
+    world size changes), a checkpoint every 10 steps."""
+    cfg = fault_config(tmp_path / "runs", name, dropout=0.0)
+    cfg["fault_tolerance"]["max_failures"] = 5
+    for section, values in changes.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def newest_segments(run_dir: Path) -> list[list[int]]:
+    """[first step, world size] of each stretch, as the newest checkpoint records them."""
+    found = ckpt.checkpoints_newest_first(run_dir / "checkpoints")
+    return ckpt.load_train_state(found[0])["segments"] if found else []
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_lost_node_shrinks_the_run_a_new_node_grows_it_and_it_ends_as_if_uninterrupted(
+    cluster: tuple[RayHead, list[RayNode]], tmp_path: Path
+):
+    head, nodes = cluster
+    reference = write_config(tmp_path, "fixed")
+    command, env = train_command(head, reference)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    elastic = write_config(
+        tmp_path,
+        "elastic",
+        # Slow steps, so the test can act mid-run.
+        model={"params": {"dropout": 0.0, "sleep_s": 0.15}},
+        scaling={"num_workers": [1, 2], "elastic_resize_interval_s": 3},
+    )
+    command, env = train_command(
+        head, elastic, RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=START_TIMEOUT_S
+    )
+    run_dir = tmp_path / "runs" / "elastic"
+    log = tmp_path / "elastic.log"
+    with log.open("w") as out, subprocess.Popen(command, env=env, stdout=out, stderr=out) as proc:
+        try:
+            wait_for(lambda: newest_segments(run_dir) == [[0, 2]], proc, "a 2-worker checkpoint")
+            nodes[0].lose()
+            wait_for(lambda: newest_segments(run_dir)[-1][1] == 1, proc, "a 1-worker checkpoint")
+            nodes.append(join_node(head, pythonpath=WORKLOADS))
+            wait_for(lambda: newest_segments(run_dir)[-1][1] == 2, proc, "growing back to 2")
+            assert proc.wait(timeout=300) == 0, log.read_text()[-5000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    sizes = [(s["step"], s["world_size"]) for s in summary["world_size_segments"]]
+    assert [size for _, size in sizes] == [2, 1, 2], sizes
+    assert 0 < sizes[1][0] < sizes[2][0] < STEPS, sizes
+    assert summary["world_size"] == 2 and summary["worker_range"] == [1, 2]
+    assert summary["status"] == "completed"
+
+    # Within float rounding of the uninterrupted run: one worker sums its 32 samples'
+    # gradients in another order than two workers' all-reduce.
+    rows, expected = read_metrics(run_dir), read_metrics(tmp_path / "runs" / "fixed")
+    assert [r["step"] for r in rows] == [r["step"] for r in expected] == [50, 100, 150, 200]
+    assert {r["world_size"] for r in rows} <= {1, 2} and rows[-1]["world_size"] == 2
+    for row, want in zip(rows, expected, strict=True):
+        for column in ("train_loss", "val_loss", "lr"):
+            assert row[column] == pytest.approx(want[column], rel=1e-5, abs=1e-9), column
+    ours = rt.load_model(run_dir).state_dict()
+    theirs = rt.load_model(tmp_path / "runs" / "fixed").state_dict()
+    for key, tensor in theirs.items():
+        torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-7)
+    shown = log.read_text()
+    assert "plan: 1 worker(s) x micro-batch 32 x accumulation 1 = global batch 32" in shown
+    assert "plan: 2 worker(s) x micro-batch 16 x accumulation 1 = global batch 32" in shown
