@@ -115,6 +115,12 @@ def test_an_invalid_config_fails_the_job_with_its_one_line_error(ray_head, proje
     assert "error: unknown config key 'train.lrr' (did you mean 'train.lr'?)" in logs.stdout
     assert "Traceback" not in logs.stdout
 
+    # --no-wait prints the job id alone and returns; the job runs (and fails) on its own.
+    detached = submit_train(ray_head, project, "train.lrr=0.1", flags=("--no-wait",))
+    assert detached.returncode == 0, detached.stdout + detached.stderr
+    assert re.fullmatch(r"raysubmit_\w+", detached.stdout.strip()), detached.stdout
+    wait_for_status(ray_head.dashboard_url, detached.stdout.strip(), env, project, "FAILED", 120)
+
 
 def test_without_the_token_the_cluster_refuses_with_a_clear_message(ray_head, project):
     result = raytrain(
@@ -181,17 +187,22 @@ def wait_for_status(url: str, job_id: str, env: dict, cwd: Path, wanted: str, ti
         time.sleep(1)
 
 
-def test_ctrl_c_while_watching_leaves_the_job_running_then_list_logs_and_stop_it(ray_head, project):
-    """One long job: Ctrl-C stops watching it, never the job; `raytrain jobs` then lists
-    it, shows its logs and status, and stops it."""
+def test_user_code_travels_with_a_job_that_ctrl_c_leaves_running_then_list_logs_and_stop_it(
+    ray_head, tmp_path
+):
+    """One long job of the user package in examples/, sent as the working directory:
+    Ctrl-C stops watching it, never the job; `raytrain jobs` then lists it, shows the
+    epochs the user's model trained, its status, and stops it."""
     import signal
 
     env, url = ray_head.client_env(), ray_head.dashboard_url
-    command = [sys.executable, "-m", "raytrain_app.cli", "submit", "--address", url, "--"]
-    command += ["train", "--config", "my.yaml", "--set", "train.epochs=50"]
+    command = [sys.executable, "-m", "raytrain_app.cli", "submit", "--address", url]
+    command += ["--working-dir", str(EXAMPLES), "--"]
+    command += ["train", "--config", str(EXAMPLES / "sine.yaml"), "--set", "train.epochs=500"]
     command += ["--set", "experiment.name=watched"]
+    command += ["--set", f"experiment.output_dir={tmp_path / 'runs'}"]
     with subprocess.Popen(
-        command, env=env, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as proc:
         job_id = submitted_id(proc.stdout.readline())
         time.sleep(2)
@@ -199,50 +210,18 @@ def test_ctrl_c_while_watching_leaves_the_job_running_then_list_logs_and_stop_it
         _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert f"{job_id} keeps running" in stderr and f"jobs --address {url} stop {job_id}" in stderr
-
-    listed = raytrain(["jobs", "--address", url, "list"], env, project)
+    listed = raytrain(["jobs", "--address", url, "list"], env, tmp_path)
     assert job_id in listed.stdout
     deadline = time.monotonic() + 120
     while (
-        "epoch 1/50"
-        not in raytrain(["jobs", "--address", url, "logs", job_id], env, project).stdout
+        "epoch 1/500"
+        not in raytrain(["jobs", "--address", url, "logs", job_id], env, tmp_path).stdout
     ):
         assert time.monotonic() < deadline, "the job never logged its first epoch"
         time.sleep(2)
-    status = raytrain(["jobs", "--address", url, "status", job_id], env, project)
+    status = raytrain(["jobs", "--address", url, "status", job_id], env, tmp_path)
     assert status.stdout.strip() == "RUNNING"
-
-    stop = raytrain(["jobs", "--address", url, "stop", job_id], env, project)
+    assert (tmp_path / "runs" / "watched" / "metrics.csv").is_file()  # the user's model trains
+    stop = raytrain(["jobs", "--address", url, "stop", job_id], env, tmp_path)
     assert stop.returncode == 0 and "stopping" in stop.stdout
-    wait_for_status(url, job_id, env, project, "STOPPED", timeout=60)
-
-
-def test_user_code_travels_with_a_job_submitted_without_waiting(ray_head, tmp_path):
-    examples = EXAMPLES
-    out = tmp_path / "runs"
-    result = raytrain(
-        [
-            "submit",
-            "--address",
-            ray_head.dashboard_url,
-            "--working-dir",
-            str(examples),
-            "--no-wait",
-            "--",
-            "train",
-            "--config",
-            str(examples / "sine.yaml"),
-            "--set",
-            "train.epochs=1",
-            "--set",
-            f"experiment.output_dir={out}",
-        ],
-        ray_head.client_env(),
-        tmp_path,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    job_id = result.stdout.strip()  # --no-wait prints the id alone and returns
-    assert re.fullmatch(r"raysubmit_\w+", job_id)
-    env, url = ray_head.client_env(), ray_head.dashboard_url
-    wait_for_status(url, job_id, env, tmp_path, "SUCCEEDED", timeout=240)
-    assert (out / "sine" / "summary.json").is_file()
+    wait_for_status(url, job_id, env, tmp_path, "STOPPED", timeout=60)

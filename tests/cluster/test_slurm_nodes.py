@@ -5,15 +5,21 @@ refused before training."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
 from paths import ROOT
-from slurm_cluster import SlurmCluster, missing_requirements, start_cluster
+from slurm_cluster import Node, SlurmCluster, missing_requirements, start_cluster
+
+from raytrain_app.testing.processes import descendants, pids_naming
 
 pytestmark = [
     pytest.mark.cluster,
@@ -162,18 +168,54 @@ def train_config(cluster: SlurmCluster, name: str, output_dir: str) -> Path:
     return path
 
 
-def test_two_nodes_of_one_cpu_each_train_one_worker_each_into_the_bucket(cluster, s3):
-    """The only storage the two nodes' workers share for the run is the bucket: the
-    synthetic data the driver prepares reaches node 2 through it, and the whole run
-    directory lands there."""
+def test_two_nodes_train_one_worker_each_into_the_bucket_and_finish_on_one_when_one_is_lost(
+    cluster, s3
+):
+    """An elastic run (scaling.num_workers=[1,2]) over two nodes of one CPU: one worker per
+    node, planned against the whole allocation. The only storage the two nodes' workers
+    share is the bucket: the synthetic data the driver prepares reaches node 2 through it,
+    and the whole run directory lands there. After the first epoch node 2's Ray and its
+    worker are SIGKILLed: the job completes on node 1 alone, as one worker."""
     config = train_config(cluster, "spread", s3.uri("runs"))
-    args = [*TWO_NODES, str(SCRIPT), "--config", str(config), "--set", "scaling.num_workers=2"]
-    job_id, code = cluster.sbatch_wait(args, env=s3.env())
-    log = (cluster.shared / f"raytrain-{job_id}.out").read_text()
-    assert code == 0 and cluster.job_state(job_id) == "COMPLETED", log
+    data = yaml.safe_load(config.read_text())
+    data["train"]["epochs"] = 4
+    data["scaling"] = {"num_workers": [1, 2], "elastic_resize_interval_s": 3}
+    config.write_text(yaml.safe_dump(data))
+    env = {
+        **s3.env(),
+        # A lost node is declared dead in ~2 s (Ray's default is some 15-30 s), and a
+        # worker group Ray cannot place is given up after 10 s instead of 60.
+        "RAY_health_check_period_ms": "500",
+        "RAY_health_check_failure_threshold": "3",
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",
+    }
+    submitted = cluster.run(
+        ["sbatch", "--parsable", *TWO_NODES, str(SCRIPT), "--config", str(config)],
+        check=True,
+        env=env,
+    )
+    job_id = submitted.stdout.strip()
+    log = cluster.shared / f"raytrain-{job_id}.out"
+    deadline = time.monotonic() + 240
+    while "epoch 1/4" not in (log.read_text() if log.exists() else ""):
+        assert cluster.job_state(job_id) in ("PENDING", "RUNNING"), log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    lost = node_ray_processes(cluster.nodes[1], job_id)
+    assert lost, "no Ray process of the job on node 2"
+    for pid in lost:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    cluster.wait_for_jobs([job_id], timeout=300)
+    text = log.read_text()
+    assert cluster.job_state(job_id) == "COMPLETED", text
+    assert "plan: 2 worker(s) x micro-batch 32" in text
+    assert "plan: 1 worker(s) x micro-batch 64" in text
     summary = json.loads(cluster.read_object(s3, s3.uri("runs", "spread", "summary.json")))
-    assert summary["world_size"] == 2
-    assert sorted(summary["worker_nodes"]) == ["10.77.0.1", "10.77.0.2"]
+    segments = [(s["step"], s["world_size"]) for s in summary["world_size_segments"]]
+    assert [size for _, size in segments] == [2, 1] and segments[1][0] > 0, segments
+    assert summary["status"] == "completed" and summary["epochs_completed"] == 4
+    assert summary["world_size"] == 1 and summary["worker_nodes"] == ["10.77.0.1"]
     stored = cluster.list_objects(s3, s3.uri("runs", "spread"))
     for name in ("config.yaml", "metrics.csv", "summary.json", "loss.png"):
         assert name in stored, stored
@@ -198,3 +240,11 @@ def test_a_node_local_output_dir_is_refused_before_training(cluster):
     assert "Traceback" not in log and "epoch 1/1" not in log
     for node in range(2):  # nothing written, on either node's disk
         assert not cluster.node_path(node, "/scratch/runs").exists()
+
+
+def node_ray_processes(node: Node, job_id: str) -> set[int]:
+    """Host PIDs of the job's Ray on ``node``: every process of the node naming the job's Ray
+    temp dir (its symmetric-run, raylet, agents), and all they started (its workers)."""
+    on_node = descendants(node.init_pid)
+    named = {pid for pid in pids_naming(f"/rt-{job_id}") if pid in on_node}
+    return named | {child for pid in named for child in descendants(pid)}
