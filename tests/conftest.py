@@ -1,9 +1,13 @@
-"""Shared test set-up: keep Ray and raytrain away from the user's home and clusters."""
+"""Shared test set-up: keep Ray and raytrain away from the user's home and clusters; one
+real Ray and one uninterrupted reference run per session, for the tiers that need them."""
 
 from __future__ import annotations
 
 import pytest
+from fault_runs import fault_config
+from ray_sessions import session_ray
 
+import raytrain_app as rt
 from raytrain_app.testing.isolation import private_home
 
 
@@ -12,3 +16,18 @@ def isolated_home(tmp_path_factory):
     """A private HOME (Ray writes ~/.ray/auth_token there) and no inherited cluster variables."""
     with private_home(tmp_path_factory.mktemp("home")):
         yield
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One real Ray instance per test session: 2 CPUs, its own temp dir and ports."""
+    with session_ray(num_cpus=2) as resources:
+        yield resources
+
+
+@pytest.fixture(scope="session")
+def fault_reference(ray_cluster, tmp_path_factory):
+    """The uninterrupted 4-epoch ``faults`` run that every interrupted run (a killed worker
+    or driver, a stop signal, a preempted SLURM job) is compared with, bit for bit:
+    trained once per session."""
+    return rt.train(fault_config(tmp_path_factory.mktemp("ref"), "straight"), progress=False)

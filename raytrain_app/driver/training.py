@@ -178,22 +178,25 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
         local_plan = make_plan(cfg, env)
         RunDirectory.for_config(cfg).check_resumable(resolve_config(cfg, local_plan))
     apply_ray_train_defaults()
-    with ray_session(address, env) as cluster_env:
+    # One writer at a time, checked before Ray starts: a second train or tune of this
+    # directory exits 2 at once (the directory depends on the name and output_dir alone).
+    with (
+        hold_run_lease(RunDirectory.for_config(cfg).location.uri, "train"),
+        ray_session(address, env) as cluster_env,
+    ):
         plan = make_plan(cfg, cluster_env)
         resolved = resolve_config(cfg, plan)
         run_dir = RunDirectory.for_config(resolved)
         if run_dir.location.is_local:  # an object store is the same store on every node
             check_shared(run_dir.location.local_path.parent, resolved.experiment.output_dir)
         resuming = run_dir.check_resumable(resolved)
-        # One writer at a time; a second train or tune of this directory exits 2 here.
-        with hold_run_lease(run_dir.location.uri, "train"):
-            result, stop_signal = _run(resolved, run_dir, plan, resuming, cluster_env, progress)
-            summary = _summary(result, plan, time.perf_counter() - start, run_dir.at("checkpoints"))
-            summary.update(_best_summary(run_dir, resolved))
-            run_dir.write_summary(summary)
-            metrics = _read_metrics(run_dir)
-            if resolved.tracking.loss_plot:
-                _write_loss_plot(run_dir, metrics)
+        result, stop_signal = _run(resolved, run_dir, plan, resuming, cluster_env, progress)
+        summary = _summary(result, plan, time.perf_counter() - start, run_dir.at("checkpoints"))
+        summary.update(_best_summary(run_dir, resolved))
+        run_dir.write_summary(summary)
+        metrics = _read_metrics(run_dir)
+        if resolved.tracking.loss_plot:
+            _write_loss_plot(run_dir, metrics)
     if summary["status"] == "stopped":
         raise RunStoppedError(
             f"stopped on request ({stop_signal}) after {summary['epochs_completed']} complete "

@@ -8,9 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
-from paths import ROOT
+from fault_runs import TIMING_COLUMNS, fault_config
+from paths import EXAMPLES, ROOT, TEST_WORKLOADS
 from slurm_cluster import SlurmCluster, missing_requirements, start_cluster
+
+import raytrain_app as rt
 
 pytestmark = [
     pytest.mark.cluster,
@@ -18,6 +22,8 @@ pytestmark = [
 ]
 
 SCRIPT = ROOT / "cluster" / "slurm" / "raytrain.sbatch"
+# What the jobs' workers import for the faults workload, as a user's PYTHONPATH would.
+WORKLOADS = f"{TEST_WORKLOADS}:{EXAMPLES}"
 
 
 def tiny_config(cluster: SlurmCluster, name: str, workers: int) -> Path:
@@ -92,78 +98,78 @@ def test_a_training_job_and_a_sweep_job_share_a_node_without_colliding(one_node)
     assert len(heads) == 2, heads
 
 
-def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node):
+def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node, fault_reference):
     """SIGUSR1 (what --signal=B:USR1@120 sends before a time limit) mid-run: the training
     checkpoints at its next step and exits 75, the job is requeued and resumes there, from
-    a run directory in a bucket; its checkpoint then serves predict and load_model."""
+    a run directory in a bucket, and ends bit for bit as the session's uninterrupted run of
+    the same config (2 workers); its checkpoint then serves predict and load_model."""
     s3 = one_node.start_s3("preempt")
     runs = s3.uri("runs")
-    ids = {}
-    for name in ("straight", "preempted"):
-        config = tiny_config(one_node, name, workers=1)
-        data = yaml.safe_load(config.read_text())
-        data["experiment"]["output_dir"] = runs
-        data["train"].update({"epochs": 4, "checkpoint_every_steps": 5})
-        config.write_text(yaml.safe_dump(data))
-        result = one_node.run(
-            ["sbatch", "--parsable", "--cpus-per-task=1", str(SCRIPT), "--config", str(config)],
-            check=True,
-            env=s3.env(),
-        )
-        ids[name] = result.stdout.strip()
+    # 50 ms per micro-batch (the numbers are the same): time to preempt it mid-run.
+    cfg = fault_config(runs, "preempted", sleep_s=0.05)
+    config = one_node.root / "preempted.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    env = {**s3.env(), "PYTHONPATH": WORKLOADS}
+    result = one_node.run(
+        ["sbatch", "--parsable", "--cpus-per-task=2", str(SCRIPT), "--config", str(config)],
+        check=True,
+        env=env,
+    )
+    job_id = result.stdout.strip()
     deadline = time.monotonic() + 300
     while not [
         p
         for p in one_node.list_objects(s3, f"{runs}/preempted/checkpoints")
         if p.endswith("/manifest.json")
     ]:
-        assert time.monotonic() < deadline, job_log(one_node, ids["preempted"])
-        assert one_node.job_state(ids["preempted"]) in ("PENDING", "RUNNING")
+        assert time.monotonic() < deadline, job_log(one_node, job_id)
+        assert one_node.job_state(job_id) in ("PENDING", "RUNNING")
         time.sleep(0.2)
-    one_node.run(["scancel", "--signal=USR1", "--batch", ids["preempted"]], check=True)
+    one_node.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
 
     # A requeued job passes through REQUEUED and PENDING, which are not ended states.
-    one_node.wait_for_jobs(list(ids.values()), timeout=deadline - time.monotonic())
-    states = {i: one_node.job_state(i) for i in ids.values()}
-    assert set(states.values()) == {"COMPLETED"}, states
-    log = job_log(one_node, ids["preempted"])
-    assert one_node.job_field(ids["preempted"], "Restarts") == "1", log
+    one_node.wait_for_jobs([job_id], timeout=deadline - time.monotonic())
+    log = job_log(one_node, job_id)
+    assert one_node.job_state(job_id) == "COMPLETED", log
+    assert one_node.job_field(job_id, "Restarts") == "1", log
     assert "stopped on request (SIGUSR1)" in log and "requeued" in log
     assert "resumed from" in log
-    preempted, straight = (
-        json.loads(one_node.read_object(s3, f"{runs}/{name}/summary.json"))
-        for name in ("preempted", "straight")
-    )
-    assert preempted["status"] == straight["status"] == "completed"
-    # The uninterrupted job is the plain one-node case: the plan printed, no token leaked.
-    straight_log = job_log(one_node, ids["straight"])
-    assert "effective" in straight_log.split("Running command on head node")[1]
-    assert "RAY_AUTH_TOKEN" not in straight_log
-    assert "token" not in straight_log.lower().replace("token auth", "")
-    for key, value in straight["final_metrics"].items():
-        if key not in ("samples_per_s", "epoch_time_s"):
-            assert preempted["final_metrics"][key] == value, key
-    assert not (one_node.root / "runs" / "preempted").exists()  # all of it in the bucket
+    # The plan printed on the head, no token leaked.
+    assert "effective" in log.split("Running command on head node")[1]
+    assert "RAY_AUTH_TOKEN" not in log
+    assert "token" not in log.lower().replace("token auth", "")
+    summary = json.loads(one_node.read_object(s3, f"{runs}/preempted/summary.json"))
+    assert summary["status"] == "completed"
+    expected = fault_reference.metrics[-1]
+    for key, value in expected.items():
+        if key not in TIMING_COLUMNS:
+            assert summary["final_metrics"][key] == value, key
+    assert not (one_node.root / "runs").exists()  # all of it in the bucket
 
-    # Inference straight from the bucket: the CLI, and load_model into a plain module.
-    checkpoint = preempted["checkpoint"]
+    # Inference straight from the bucket: the CLI, and load_model into a plain module
+    # whose weights are the uninterrupted run's.
+    checkpoint = summary["checkpoint"]
     assert checkpoint.startswith(f"{runs}/preempted/checkpoints/")
     output = one_node.root / "predictions.parquet"
     predicted = one_node.run(
-        ["raytrain", "predict", "--checkpoint", checkpoint, "--output", str(output)],
-        env=s3.env(),
+        ["raytrain", "predict", "--checkpoint", checkpoint, "--output", str(output)], env=env
     )
     assert predicted.returncode == 0 and output.is_file(), predicted.stderr
+    weights = one_node.root / "weights.pt"
     loaded = one_node.run(
         [
             "python",
             "-c",
             "import sys, torch, raytrain_app as rt; m = rt.load_model(sys.argv[1]); "
             "print(type(m).__name__, isinstance(m, torch.nn.Module), "
-            "next(m.parameters()).device)",
+            "next(m.parameters()).device); torch.save(m.state_dict(), sys.argv[2])",
             checkpoint,
+            str(weights),
         ],
-        env=s3.env(),
+        env=env,
     )
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.split()[1:] == ["True", "cpu"], loaded.stdout
+    ours = torch.load(weights, weights_only=True)
+    for key, tensor in rt.load_model(fault_reference.run_dir).state_dict().items():
+        assert torch.equal(ours[key], tensor), key

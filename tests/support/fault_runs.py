@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+from paths import EXAMPLES, TEST_WORKLOADS
 
 import raytrain_app as rt
 from raytrain_app.checkpoint import store as ckpt
@@ -45,8 +46,11 @@ def fault_config(output_dir: Path, name: str, epochs: int = 4, **model_params) -
 def cli_env(ray_tmp: str) -> dict[str, str]:
     """The environment of a ``raytrain train`` subprocess: no cluster address, so it starts
     its own embedded Ray, under ``ray_tmp`` (its processes name it: see testing/processes)."""
-    env = dict(os.environ)  # PYTHONPATH already names examples/ and the test workloads
+    env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
+    # The workloads importable by name, as PYTHONPATH makes a user's package.
+    paths = [str(EXAMPLES), str(TEST_WORKLOADS), env.get("PYTHONPATH")]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     env["RAY_TMPDIR"] = ray_tmp
     return env
 
