@@ -112,11 +112,33 @@ def _add_predict_flags(predict: argparse.ArgumentParser) -> None:
     )
 
 
+def _versions() -> str:
+    """From the installed packages' metadata: importing Ray and torch would take seconds."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (
+        f"raytrain {installed('raytrain_app')}, ray {installed('ray')}, "
+        f"torch {installed('torch')}, python {sys.version.split()[0]}"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="raytrain", description="Data-parallel PyTorch training on Ray, laptop to SLURM."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=_versions(),
+        help="raytrain's, Ray's, torch's and Python's versions (for bug reports)",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = commands.add_parser("train", help="train a model (default: the quickstart)")

@@ -24,6 +24,29 @@ from raytrain_app.planning.environment import (
 )
 from raytrain_app.planning.rules import TrainingPlan, make_plan
 
+# Ray logs, on every local start, that it turned token authentication on by default.
+_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+_DEFAULT_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropDefaultTokenNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_DEFAULT_TOKEN_NOTICE)
+
+
+@contextmanager
+def _without_default_token_notice() -> Iterator[None]:
+    """Silence Ray's notice that token auth is on by default while it starts an embedded
+    Ray: a user of one (bound to this machine) has nothing to act on. Ray's other warnings,
+    the one that token auth is off included, still show."""
+    notices = logging.getLogger(_TOKEN_SETUP_LOGGER)
+    dropped = _DropDefaultTokenNotice()
+    notices.addFilter(dropped)
+    try:
+        yield
+    finally:
+        notices.removeFilter(dropped)
+
 
 @contextmanager
 def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
@@ -45,11 +68,12 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
                 # Ray's dashboard (the run's workers, logs, stacks; leaving it out saved no
                 # measurable start-up time). Its job server runs code, so it binds to
                 # localhost unless the user opts in.
-                ray.init(
-                    num_cpus=int((env.machine or env.resources).cpus),
-                    dashboard_host=env.dashboard_host,
-                    logging_level=logging.WARNING,
-                )
+                with _without_default_token_notice():
+                    ray.init(
+                        num_cpus=int((env.machine or env.resources).cpus),
+                        dashboard_host=env.dashboard_host,
+                        logging_level=logging.WARNING,
+                    )
                 embedded = True
                 added_defaults = apply_ray_train_defaults(embedded=True)
         except (ConnectionError, OSError, RuntimeError, ValueError) as exc:

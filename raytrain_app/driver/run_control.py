@@ -14,7 +14,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raytrain_app.driver.progress import EpochBars
+from raytrain_app.driver.progress import progress_for
 
 _POLL_INTERVAL_S = 0.5
 
@@ -67,7 +67,7 @@ class DriverControl:
         ray.kill(self.actor)
 
     def _run(self) -> None:
-        bars = EpochBars() if self.progress else None
+        bars = progress_for() if self.progress else None
         sent = False
         try:
             while not self._done.wait(_POLL_INTERVAL_S):

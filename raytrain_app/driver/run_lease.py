@@ -122,10 +122,7 @@ class RunLease:
             reason = self._gone_reason(found, now)
             if reason is None:
                 if owner is not None:
-                    raise BadInputError(
-                        f"run directory '{self.root}' is being written by {owner.owner()}; "
-                        f"wait for it to finish, stop it, or choose another experiment.name"
-                    )
+                    raise self._held_by(owner)
                 time.sleep(_RETRY_S)  # being created: its content follows in a moment
             elif self.store.replace(found, self.record.to_bytes()):
                 held_by = owner.owner() if owner else "an unknown owner"
@@ -138,6 +135,23 @@ class RunLease:
         raise BadInputError(
             f"run directory '{self.root}' has a lease ({self.store.location}) that keeps "
             f"changing or cannot be read; if no run writes there, delete it and retry"
+        )
+
+    def check_free(self) -> None:
+        """Raise as ``acquire`` would when a live run holds the lease, writing nothing:
+        a second run is refused before it starts Ray (``acquire`` still claims it later)."""
+        try:
+            found = self.store.read()
+        except self.store.errors:
+            return  # acquire says what is wrong with the storage
+        owner = found.record if found is not None else None
+        if owner is not None and self._gone_reason(found, time.time()) is None:
+            raise self._held_by(owner)
+
+    def _held_by(self, owner: LeaseRecord) -> BadInputError:
+        return BadInputError(
+            f"run directory '{self.root}' is being written by {owner.owner()}; "
+            f"wait for it to finish, stop it, or choose another experiment.name"
         )
 
     def _gone_reason(self, found: StoredLease, now: float) -> str | None:
@@ -229,6 +243,13 @@ def hold_run_lease(
             yield lease
         finally:
             lease.release()
+
+
+def refuse_if_held(root: str, command: str) -> None:
+    """Refuse at once (exit code 2) when a live run holds ``root``, writing nothing."""
+    store = lease_store(root)
+    if store is not None:
+        RunLease(store, root, _this_holder(command)).check_free()
 
 
 def _this_holder(command: str) -> LeaseRecord:

@@ -9,13 +9,14 @@ itself or cannot use.
   process) there is no autoscaler to ask for resources and no placement group can outlive
   the driver, so the autoscaling-coordinator and placement-group-cleaner actors are not
   started.
-- An elastic run (``scaling.num_workers: [min, max]``) decides each size on the cluster's
-  current nodes rather than on a view up to 20 s old.
 
 Each is one more process that starts and imports Ray before the first step, and two of
 them kept polling during training (benchmarks/README.md has the cost). These are Ray
 Train V2 internals of the pinned Ray (2.60); tests/distributed checks the
 trainer still runs, restarts and stops with them left out.
+
+An elastic run (``scaling.num_workers: [min, max]``) also decides each size on the
+cluster's current nodes rather than on a view up to 20 s old (tests/cluster/test_elastic.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from raytrain_app.config import RaytrainConfig, config_to_dict
 from raytrain_app.driver.failures import user_facing_error
 from raytrain_app.driver.ray_connection import ray_session
 from raytrain_app.driver.run_directory import RunDirectory
-from raytrain_app.driver.run_lease import hold_run_lease
+from raytrain_app.driver.run_lease import hold_run_lease, refuse_if_held
 from raytrain_app.driver.shared_storage import check_shared
 from raytrain_app.driver.trainer import run_trainer
 from raytrain_app.errors import BadInputError, RunStoppedError, first_line
@@ -177,26 +177,26 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
         # second instead of after Ray's start-up.
         local_plan = make_plan(cfg, env)
         RunDirectory.for_config(cfg).check_resumable(resolve_config(cfg, local_plan))
+    # A run directory another run is writing: exit 2 now, before Ray starts (the directory
+    # depends on the name and output_dir alone; nothing is written to look).
+    refuse_if_held(RunDirectory.for_config(cfg).location.uri, "train")
     apply_ray_train_defaults()
-    # One writer at a time, checked before Ray starts: a second train or tune of this
-    # directory exits 2 at once (the directory depends on the name and output_dir alone).
-    with (
-        hold_run_lease(RunDirectory.for_config(cfg).location.uri, "train"),
-        ray_session(address, env) as cluster_env,
-    ):
+    with ray_session(address, env) as cluster_env:
         plan = make_plan(cfg, cluster_env)
         resolved = resolve_config(cfg, plan)
         run_dir = RunDirectory.for_config(resolved)
         if run_dir.location.is_local:  # an object store is the same store on every node
             check_shared(run_dir.location.local_path.parent, resolved.experiment.output_dir)
         resuming = run_dir.check_resumable(resolved)
-        result, stop_signal = _run(resolved, run_dir, plan, resuming, cluster_env, progress)
-        summary = _summary(result, plan, time.perf_counter() - start, run_dir.at("checkpoints"))
-        summary.update(_best_summary(run_dir, resolved))
-        run_dir.write_summary(summary)
-        metrics = _read_metrics(run_dir)
-        if resolved.tracking.loss_plot:
-            _write_loss_plot(run_dir, metrics)
+        # One writer at a time; a second train or tune of this directory exits 2 here.
+        with hold_run_lease(run_dir.location.uri, "train"):
+            result, stop_signal = _run(resolved, run_dir, plan, resuming, cluster_env, progress)
+            summary = _summary(result, plan, time.perf_counter() - start, run_dir.at("checkpoints"))
+            summary.update(_best_summary(run_dir, resolved))
+            run_dir.write_summary(summary)
+            metrics = _read_metrics(run_dir)
+            if resolved.tracking.loss_plot:
+                _write_loss_plot(run_dir, metrics)
     if summary["status"] == "stopped":
         raise RunStoppedError(
             f"stopped on request ({stop_signal}) after {summary['epochs_completed']} complete "

@@ -106,9 +106,10 @@ def choose_world_size(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> i
     return max(w for w in range(1, max(devices, 1) + 1) if global_batch % w == 0)
 
 
-def check_elastic_range(cfg: RaytrainConfig, low: int, high: int, cap: int | None) -> None:
-    """Every world size Ray may pick in ``[low, high]`` must split the global batch (under
-    the memory cap), so that every size trains the same optimisation."""
+def check_elastic_range(cfg: RaytrainConfig, low: int, high: int) -> None:
+    """Every world size Ray may pick in ``[low, high]`` must split the global batch, so that
+    every size trains the same optimisation (under ``train.max_batch_per_worker`` a split
+    always exists: accumulation takes up the rest), and the run must be able to restart."""
     global_batch = cfg.train.global_batch_size
     if cfg.fault_tolerance.max_failures == 0:
         raise PlanError(
@@ -122,12 +123,12 @@ def check_elastic_range(cfg: RaytrainConfig, low: int, high: int, cap: int | Non
             f"of scaling.num_workers=[{low}, {high}] would drop; set "
             f"distributed.grad_compression=none or a fixed scaling.num_workers"
         )
-    bad = [w for w in range(low, high + 1) if not _splits(global_batch, w, cap)]
+    bad = [w for w in range(low, high + 1) if global_batch % w]
     if not bad:
         return
     lcm = math.lcm(*range(low, high + 1))
     batches = " or ".join(str(m) for m in nearest_multiples(global_batch, lcm))
-    ranges = _valid_subranges(global_batch, low, high, cap)
+    ranges = _valid_subranges(global_batch, low, high)
     narrower = f"scaling.num_workers={list(ranges[0])}" if ranges else "a fixed scaling.num_workers"
     raise PlanError(
         f"train.global_batch_size={global_batch} cannot be split evenly over "
@@ -142,20 +143,12 @@ def _either(values: list[int]) -> str:
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
-def _splits(global_batch: int, world_size: int, cap: int | None) -> bool:
-    try:
-        plan_batch(global_batch, world_size, cap)
-    except PlanError:
-        return False
-    return True
-
-
-def _valid_subranges(global_batch: int, low: int, high: int, cap: int | None) -> list[tuple]:
-    """The widest runs of consecutive valid sizes inside ``[low, high]``, widest and then
-    largest first (a single size is a fixed run, not a range)."""
+def _valid_subranges(global_batch: int, low: int, high: int) -> list[tuple[int, int]]:
+    """The runs of consecutive sizes inside ``[low, high]`` that split ``global_batch``,
+    widest and then largest first (a single size is a fixed run, not a range)."""
     runs, start = [], None
     for w in range(low, high + 2):
-        ok = w <= high and _splits(global_batch, w, cap)
+        ok = w <= high and global_batch % w == 0
         if ok and start is None:
             start = w
         elif not ok and start is not None:
@@ -369,10 +362,8 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
     strategy = choose_strategy(cfg.distributed.strategy, cfg.distributed.grad_compression)
     world_size = choose_world_size(cfg, env, use_gpu)
     elastic = worker_range(cfg)
-    cap = cfg.train.max_batch_per_worker
-    fixed_cap = None if cap == "auto" else cap
     if elastic:
-        check_elastic_range(cfg, *elastic, fixed_cap)
+        check_elastic_range(cfg, *elastic)
         # The run needs room for min workers; it grows to max as the cluster allows.
         fits = _check_hosting(cfg, env, use_gpu, elastic[0], preview)
         if fits and hosting_problem(cfg, env, use_gpu, world_size):
@@ -383,7 +374,8 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
             )
     else:
         fits = _check_hosting(cfg, env, use_gpu, world_size, preview)
-    batch = plan_batch(cfg.train.global_batch_size, world_size, fixed_cap)
+    cap = cfg.train.max_batch_per_worker
+    batch = plan_batch(cfg.train.global_batch_size, world_size, None if cap == "auto" else cap)
     precision, grad_scaler = choose_precision(cfg.precision, use_gpu, env.gpu)
     compiled = choose_compile(cfg.optimizations.compile, use_gpu, env.gpu, strategy)
     if strategy == "fsdp":

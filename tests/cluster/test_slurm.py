@@ -144,7 +144,7 @@ def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node
     for key, value in expected.items():
         if key not in TIMING_COLUMNS:
             assert summary["final_metrics"][key] == value, key
-    assert not (one_node.root / "runs").exists()  # all of it in the bucket
+    assert not (one_node.root / "runs" / "preempted").exists()  # all of it in the bucket
 
     # Inference straight from the bucket: the CLI, and load_model into a plain module
     # whose weights are the uninterrupted run's.

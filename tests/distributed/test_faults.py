@@ -111,8 +111,8 @@ def test_a_second_run_into_the_same_directory_is_refused_while_the_first_writes(
     cfg = fault_config(tmp_path, "shared", sleep_s=0.05)  # ~2.5 s per epoch, 4 epochs
     config_file = tmp_path / "shared.yaml"
     config_file.write_text(yaml.safe_dump(cfg))
-    command = [sys.executable, "-m", "raytrain_app.cli", "train", "--no-progress"]
-    command += ["--config", str(config_file)]
+    # With progress on, as a user runs it; its output is a pipe, as a log file is.
+    command = [sys.executable, "-m", "raytrain_app.cli", "train", "--config", str(config_file)]
     run_dir = tmp_path / "shared"
     with subprocess.Popen(
         command,
@@ -134,6 +134,10 @@ def test_a_second_run_into_the_same_directory_is_refused_while_the_first_writes(
     assert "Traceback" not in second.stderr
     assert "Ray" not in second.stderr  # refused before its Ray started
     assert first.returncode == 0, output
+    # A log gets plain lines, never a bar's redraws, and no notice about Ray's token auth.
+    assert "\r" not in output and "step/s" not in output
+    assert "epoch 4/4: step=200" in output
+    assert "Token authentication" not in output
     assert [row["epoch"] for row in read_metrics(run_dir)] == list(range(1, 5))
     assert not list(run_dir.glob("checkpoints/*/*-r[0-9]*"))  # no checkpoint written twice
 

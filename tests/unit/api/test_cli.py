@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -326,3 +327,13 @@ def test_raytrain_plan_prints_the_range_and_every_sizes_split(capsys):
     assert cli.main([*args, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["worker_range"] == [1, 2] and shown["effective_batch_size"] == 64
+
+
+def test_version_names_raytrain_ray_torch_and_python(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out.strip()
+    assert re.fullmatch(
+        r"raytrain \S+, ray 2\.\d+\.\d+\S*, torch 2\.\d+\.\d+\S*, python 3\.\d+\.\d+", shown
+    ), shown

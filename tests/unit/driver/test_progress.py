@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import io
+import logging
 
-from raytrain_app.driver.progress import EpochBars
+from raytrain_app.driver.progress import EpochBars, ProgressLines, progress_for
 
 
 def snapshot(epoch: int, step: int, loss: float = 0.5, workers: int = 2) -> dict:
@@ -48,3 +49,39 @@ def test_the_bar_shows_how_many_workers_train_now():
     bars.show(snapshot(1, 20, workers=1))  # an elastic run lost a worker
     assert "workers=1" in shown(out)
     bars.close()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class _Lines(logging.Handler):
+    """The progress logger's lines (raytrain's handler may keep them from the root)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_log_file_gets_a_plain_line_every_interval_and_a_terminal_a_bar():
+    assert isinstance(progress_for(_Terminal()), EpochBars)
+    lines = progress_for(io.StringIO())  # a SLURM .out file, a Ray job's logs
+    assert isinstance(lines, ProgressLines)
+    seen = _Lines()
+    progress_logger = logging.getLogger("raytrain_app.driver.progress")
+    progress_logger.addHandler(seen)
+    level = progress_logger.level
+    progress_logger.setLevel(logging.INFO)
+    try:
+        lines.interval_s = 0.0
+        lines.show(snapshot(2, 120, loss=0.25, workers=1))
+        lines.interval_s = 3600.0
+        lines.show(snapshot(2, 121))  # within the interval: nothing
+    finally:
+        progress_logger.removeHandler(seen)
+        progress_logger.setLevel(level)
+    assert seen.messages == ["epoch 2/3: step 120/200, loss 0.2500, 1000 samples/s, 1 worker(s)"]

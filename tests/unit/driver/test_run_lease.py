@@ -115,6 +115,22 @@ def test_a_lease_held_on_another_host_with_a_fresh_heartbeat_is_refused(tmp_path
     assert lease_of(root).token == "theirs"
 
 
+def test_the_check_before_ray_starts_refuses_a_held_lease_and_writes_nothing(tmp_path):
+    root = tmp_path / "exp"
+    plant(root)
+    with pytest.raises(BadInputError) as refused:
+        run_lease.refuse_if_held(str(root), "train")
+    assert OWNER.fullmatch(str(refused.value)), refused.value
+    assert sorted(p.name for p in root.iterdir()) == [LEASE_FILE]
+    assert lease_of(root).token == "theirs"
+    # A lease whose process died here, or no run directory at all, passes and stays as is.
+    plant(root, host=socket.gethostname(), pid=dead_pid())
+    run_lease.refuse_if_held(str(root), "train")
+    absent = tmp_path / "runs" / "new"
+    run_lease.refuse_if_held(str(absent), "train")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_lease_whose_process_died_on_this_host_is_taken_over(tmp_path, caplog):
     root = tmp_path / "exp"
     plant(root, host=socket.gethostname(), pid=dead_pid())

@@ -44,9 +44,7 @@ def test_a_range_without_a_valid_part_suggests_a_fixed_size_or_a_batch():
         make_plan(cfg, make_env(cpus=8))
 
 
-def test_the_memory_cap_counts_for_every_size():
-    # 48 per worker on 2 workers fits a cap of 16 (3 micro-batches), but 96 = 3 x 32:
-    # one worker's 96 splits under 16 as well (6 x 16), so only odd splits matter.
+def test_every_size_stays_under_the_memory_cap_with_more_accumulation_when_fewer():
     cfg = config_from_dict(elastic(1, 3, global_batch_size=96, max_batch_per_worker=16))
     plan = make_plan(cfg, make_env(cpus=4))
     assert [plan_for_world_size(plan, w).grad_accum_steps for w in (1, 2, 3)] == [6, 3, 2]
