@@ -3,6 +3,8 @@ real Ray and one uninterrupted reference run per session, for the tiers that nee
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from fault_runs import fault_config
 from ray_sessions import session_ray
@@ -16,6 +18,18 @@ def isolated_home(tmp_path_factory):
     """A private HOME (Ray writes ~/.ray/auth_token there) and no inherited cluster variables."""
     with private_home(tmp_path_factory.mktemp("home")):
         yield
+
+
+@pytest.fixture(autouse=True)
+def restore_raytrain_logger():
+    """The CLI's main() and the in-process worker loop install a stderr handler (bound to
+    that test's capsys) on raytrain's logger and stop propagation: never let it leak."""
+    logger = logging.getLogger("raytrain_app")
+    saved = (logger.level, list(logger.handlers), logger.propagate)
+    yield
+    logger.setLevel(saved[0])
+    logger.handlers[:] = saved[1]
+    logger.propagate = saved[2]
 
 
 @pytest.fixture(scope="session")

@@ -94,7 +94,7 @@ def test_a_lost_node_shrinks_the_run_a_new_node_grows_it_and_it_ends_as_if_unint
         "elastic",
         # Slow steps, so the test can act mid-run.
         model={"params": {"dropout": 0.0, "sleep_s": 0.15}},
-        scaling={"num_workers": [1, 2], "elastic_resize_interval_s": 3},
+        scaling={"num_workers": [1, 2], "elastic_resize_interval_s": 2},
     )
     elastic.write_text(yaml.safe_dump(cfg))
     command, env = train_command(

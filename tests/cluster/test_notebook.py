@@ -20,7 +20,7 @@ from raytrain_app.testing.processes import stop_processes_naming
 pytestmark = pytest.mark.cluster
 
 QUICKSTART = ROOT / "notebooks_driver" / "quickstart.ipynb"
-EPOCHS = 2
+EPOCHS = 1
 SWEEP_SAMPLES = 2
 # The synthetic data shrunk to under a quarter of a year: the test checks the notebook
 # runs end to end, not what the model learns.

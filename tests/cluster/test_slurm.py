@@ -105,8 +105,8 @@ def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node
     the same config (2 workers); its checkpoint then serves predict and load_model."""
     s3 = one_node.start_s3("preempt")
     runs = s3.uri("runs")
-    # 50 ms per micro-batch (the numbers are the same): time to preempt it mid-run.
-    cfg = fault_config(runs, "preempted", sleep_s=0.05)
+    # 30 ms per micro-batch (the numbers are the same): time to preempt it mid-run.
+    cfg = fault_config(runs, "preempted", sleep_s=0.03)
     config = one_node.root / "preempted.yaml"
     config.write_text(yaml.safe_dump(cfg))
     env = {**s3.env(), "PYTHONPATH": WORKLOADS}

@@ -10,7 +10,6 @@ plan only after starting Ray, so its plan errors run against a stand-in embedded
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -56,17 +55,6 @@ needs_cpu_machine = pytest.mark.skipif(
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture(autouse=True)
-def restore_raytrain_logger():
-    """main() installs a stderr handler bound to this test's capsys; never let it leak."""
-    logger = logging.getLogger("raytrain_app")
-    saved = (logger.level, list(logger.handlers), logger.propagate)
-    yield
-    logger.setLevel(saved[0])
-    logger.handlers[:] = saved[1]
-    logger.propagate = saved[2]
 
 
 @pytest.fixture

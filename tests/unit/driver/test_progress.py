@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import io
-import logging
+
+from log_lines import log_lines
 
 from raytrain_app.driver.progress import EpochBars, ProgressLines, progress_for
 
@@ -56,32 +57,13 @@ class _Terminal(io.StringIO):
         return True
 
 
-class _Lines(logging.Handler):
-    """The progress logger's lines (raytrain's handler may keep them from the root)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_a_log_file_gets_a_plain_line_every_interval_and_a_terminal_a_bar():
     assert isinstance(progress_for(_Terminal()), EpochBars)
     lines = progress_for(io.StringIO())  # a SLURM .out file, a Ray job's logs
     assert isinstance(lines, ProgressLines)
-    seen = _Lines()
-    progress_logger = logging.getLogger("raytrain_app.driver.progress")
-    progress_logger.addHandler(seen)
-    level = progress_logger.level
-    progress_logger.setLevel(logging.INFO)
-    try:
+    with log_lines("raytrain_app.driver.progress") as seen:
         lines.interval_s = 0.0
         lines.show(snapshot(2, 120, loss=0.25, workers=1))
         lines.interval_s = 3600.0
         lines.show(snapshot(2, 121))  # within the interval: nothing
-    finally:
-        progress_logger.removeHandler(seen)
-        progress_logger.setLevel(level)
-    assert seen.messages == ["epoch 2/3: step 120/200, loss 0.2500, 1000 samples/s, 1 worker(s)"]
+    assert seen == ["epoch 2/3: step 120/200, loss 0.2500, 1000 samples/s, 1 worker(s)"]

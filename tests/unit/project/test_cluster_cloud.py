@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import re
 import shlex
 from importlib import resources
@@ -337,17 +336,6 @@ def test_images_run_the_ray_version_the_manifests_declare():
 
 
 # --------------------------------------------------------------------------- the job's config
-
-
-@pytest.fixture(autouse=True)
-def restore_raytrain_logger():
-    """main() installs a stderr handler bound to this test's capsys; never let it leak."""
-    logger = logging.getLogger("raytrain_app")
-    saved = (logger.level, list(logger.handlers), logger.propagate)
-    yield
-    logger.setLevel(saved[0])
-    logger.handlers[:] = saved[1]
-    logger.propagate = saved[2]
 
 
 @pytest.fixture

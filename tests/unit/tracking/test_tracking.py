@@ -227,7 +227,7 @@ def test_without_matplotlib_a_note_says_how_to_get_the_plot(tmp_path, monkeypatc
         "find_spec",
         lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a),
     )
-    with caplog.at_level(logging.INFO, logger="raytrain_app.tracking.trackers"):
+    with caplog.at_level(logging.INFO, logger="raytrain_app.tracking.loss_plot"):
         assert write_loss_plot(tmp_path, _rows(2)) is None
     assert [r.getMessage() for r in caplog.records] == [
         "no loss.png: matplotlib is not installed; pip install 'raytrain_app[plot]' to get the "

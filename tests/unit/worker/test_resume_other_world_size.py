@@ -10,13 +10,13 @@ the new number of workers.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from gloo_ranks import run_on_two_ranks
+from log_lines import log_lines
 from loop_harness import TIMING_KEYS, Crash, LocalSession, make_task, run_loop
 
 from raytrain_app.config import config_from_dict
@@ -80,15 +80,6 @@ def _rank(rank: int, tasks: tuple[WorkerTask, WorkerTask], root: str) -> dict:
     return {"history": result["history"], "weights": loop.module.state_dict(), "crashed": crashed}
 
 
-class _LogLines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _close(a: list[dict], b: list[dict]) -> None:
     assert len(a) == len(b)
     for row_a, row_b in zip(a, b, strict=True):
@@ -104,13 +95,9 @@ def test_a_two_worker_checkpoint_resumes_on_one_worker_and_ends_where_two_would(
     reference = ranks[0]
     storage = Path(resumed_task.run_dir) / "ckpt"
 
-    lines = _LogLines()
-    logging.getLogger("raytrain_app").addHandler(lines)  # the loop stops propagation there
-    try:
+    with log_lines("raytrain_app") as lines:
         result, weights = run_loop(resumed_task, LocalSession(storage))
-    finally:
-        logging.getLogger("raytrain_app").removeHandler(lines)
-    log = "\n".join(lines.messages)
+    log = "\n".join(lines)
     assert "written by 2 workers, this run has 1" in log
     assert "at epoch 2, step 20" in log
 
