@@ -275,9 +275,9 @@ class S3LeaseStore:
         pass
 
 
-def lease_store(root: str) -> LeaseStore | None:
+def lease_store(root: str, warn: bool = True) -> LeaseStore | None:
     """The lease store for the run directory ``root`` (a local path or a URI); None (after a
-    warning) where no atomic create is available."""
+    warning, unless ``warn`` is false) where no atomic create is available."""
     scheme, sep, rest = root.partition("://")
     if not sep:
         return FileLeaseStore(Path(root))
@@ -292,12 +292,13 @@ def lease_store(root: str) -> LeaseStore | None:
             )
         prefix = prefix.strip("/")
         return S3LeaseStore(bucket, f"{prefix}/{LEASE_FILE}" if prefix else LEASE_FILE)
-    logger.warning(
-        "no lease guards run directory '%s' (%s:// has no atomic create here): make sure only "
-        "one run writes there at a time",
-        root,
-        scheme,
-    )
+    if warn:
+        logger.warning(
+            "no lease guards run directory '%s' (%s:// has no atomic create here): make sure "
+            "only one run writes there at a time",
+            root,
+            scheme,
+        )
     return None
 
 

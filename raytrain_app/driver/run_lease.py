@@ -246,8 +246,9 @@ def hold_run_lease(
 
 
 def refuse_if_held(root: str, command: str) -> None:
-    """Refuse at once (exit code 2) when a live run holds ``root``, writing nothing."""
-    store = lease_store(root)
+    """Refuse at once (exit code 2) when a live run holds ``root``, writing nothing (where
+    no lease can be kept, ``hold_run_lease`` warns later)."""
+    store = lease_store(root, warn=False)
     if store is not None:
         RunLease(store, root, _this_holder(command)).check_free()
 
