@@ -314,7 +314,14 @@ def _trial_row(
 ) -> dict[str, Any]:
     metric, history = cfg.tune.metric, result.metrics_dataframe
     values = history[metric].dropna() if history is not None and metric in history else None
-    epochs = 0 if history is None else len(history)
+    # The last epoch reported, not the rows: a trial resumed after its sweep was killed
+    # has its earlier epochs in its checkpoint, and Tune's history may start at the resume.
+    if history is None or not len(history):
+        epochs = 0
+    elif "epoch" in history:
+        epochs = int(history["epoch"].max())
+    else:
+        epochs = len(history)
     best = None
     if values is not None and len(values):
         best = float(values.min() if cfg.tune.mode == "min" else values.max())
