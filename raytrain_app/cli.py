@@ -128,6 +128,18 @@ def _versions() -> str:
     )
 
 
+class _VersionAction(argparse.Action):
+    """argparse's version action, with the versions looked up only when asked for (reading
+    the packages' metadata costs some 40 ms that every other command would pay)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        sys.stdout.write(_versions() + "\n")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="raytrain", description="Data-parallel PyTorch training on Ray, laptop to SLURM."
@@ -135,8 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     parser.add_argument(
         "--version",
-        action="version",
-        version=_versions(),
+        action=_VersionAction,
         help="raytrain's, Ray's, torch's and Python's versions (for bug reports)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
