@@ -8,10 +8,34 @@ The Python API mirrors the CLI::
     model = rt.load_model(result.checkpoint)
 """
 
-from raytrain_app.checkpoint.loading import load_model
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from raytrain_app.config import ConfigError, RaytrainConfig, config_from_dict, load_config
 from raytrain_app.errors import BadInputError, RunFailedError
-from raytrain_app.protocol import CollatedBatch, DataSplits, ModelSpec, StepOutput
+
+if TYPE_CHECKING:
+    from raytrain_app.checkpoint.loading import load_model
+    from raytrain_app.protocol import CollatedBatch, DataSplits, ModelSpec, StepOutput
+
+# Names whose modules import torch (1.5 s): imported on first use, so that `raytrain jobs`,
+# `raytrain submit` and a job's client never pay for torch they do not use.
+_LAZY = {
+    "load_model": "raytrain_app.checkpoint.loading",
+    "CollatedBatch": "raytrain_app.protocol",
+    "DataSplits": "raytrain_app.protocol",
+    "ModelSpec": "raytrain_app.protocol",
+    "StepOutput": "raytrain_app.protocol",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'raytrain_app' has no attribute {name!r}")
+
 
 __all__ = [
     "BadInputError",

@@ -15,8 +15,6 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-import torch
-
 # Ray Train V2 collects reports on a health-check poll (2 s by default), so each report
 # can wait that long; a 0.2 s poll keeps reports prompt (its cost: benchmarks/README.md).
 _RAY_TRAIN_ENV_DEFAULTS = {
@@ -182,6 +180,8 @@ def detect_torchrun(env: Mapping[str, str]) -> TorchrunInfo | None:
 
 def local_gpu() -> GpuInfo | None:
     """The first local CUDA GPU, or None."""
+    import torch  # here, not at the top: a job client reads its addresses without torch
+
     if not torch.cuda.is_available():
         return None
     props = torch.cuda.get_device_properties(0)
@@ -208,6 +208,8 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
     slurm = detect_slurm(env)
     torchrun = detect_torchrun(env)
     gpu = local_gpu()
+    import torch  # local_gpu imported it already
+
     launcher = "slurm" if slurm else "torchrun" if torchrun else "local"
     machine = Resources(
         cpus=float(local_cpus(slurm)),

@@ -9,28 +9,20 @@ partial epoch sums are restored from the checkpoint).
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from fault_runs import (
     assert_same_as,
-    cli_env,
     fault_config,
-    wait_for_checkpoint_after,
 )
 from torch import nn
 
 import raytrain_app as rt
 from raytrain_app.checkpoint import store as ckpt
 from raytrain_app.errors import RunFailedError
-from raytrain_app.testing.isolation import ray_temp_dir
-from raytrain_app.tracking.metrics_log import read_metrics
 from raytrain_app.workloads import FactoryRef, build_data
 
 pytestmark = pytest.mark.distributed
@@ -103,43 +95,6 @@ def test_a_hung_collective_fails_the_run_after_distributed_timeout_s(ray_cluster
 
 
 # --------------------------------------------------------------------------- the driver
-
-
-def test_a_second_run_into_the_same_directory_is_refused_while_the_first_writes(tmp_path):
-    """Two `raytrain train` of one experiment.name at once: the second exits 2 naming the
-    first, and the first ends with its own rows and checkpoints only."""
-    cfg = fault_config(tmp_path, "shared", sleep_s=0.05)  # ~2.5 s per epoch, 4 epochs
-    config_file = tmp_path / "shared.yaml"
-    config_file.write_text(yaml.safe_dump(cfg))
-    # With progress on, as a user runs it; its output is a pipe, as a log file is.
-    command = [sys.executable, "-m", "raytrain_app.cli", "train", "--config", str(config_file)]
-    run_dir = tmp_path / "shared"
-    with subprocess.Popen(
-        command,
-        env=cli_env(ray_temp_dir("rt-cli-")),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    ) as first:
-        wait_for_checkpoint_after(run_dir, 0, first)
-        second = subprocess.run(
-            command, env=cli_env(ray_temp_dir("rt-cli-")), capture_output=True, text=True
-        )
-        assert first.poll() is None, "the first run ended before the second was refused"
-        output, _ = first.communicate(timeout=300)
-    assert second.returncode == 2, second.stdout + second.stderr
-    refusal = second.stderr.strip().splitlines()[-1]
-    assert refusal.startswith(f"error: run directory '{run_dir}' is being written by ")
-    assert f"raytrain train on host {socket.gethostname()} (pid {first.pid}" in refusal
-    assert "Traceback" not in second.stderr
-    assert "Ray" not in second.stderr  # refused before its Ray started
-    assert first.returncode == 0, output
-    # A log gets plain lines, never a bar's redraws, and no notice about Ray's token auth.
-    assert "\r" not in output and "step/s" not in output
-    assert "epoch 4/4: step=200" in output
-    assert "Token authentication" not in output
-    assert [row["epoch"] for row in read_metrics(run_dir)] == list(range(1, 5))
-    assert not list(run_dir.glob("checkpoints/*/*-r[0-9]*"))  # no checkpoint written twice
 
 
 # --------------------------------------------------------------------------- compression

@@ -115,3 +115,18 @@ def test_nothing_in_the_product_imports_the_testing_helpers():
         and any(room_of(t) == "testing" for _, t in imported_modules(path))
     ]
     assert users == []
+
+
+def test_the_job_client_commands_do_not_import_torch():
+    """`raytrain submit` and `raytrain jobs` only talk to a job server: importing torch
+    (1.5 s) for them would slow every status poll a script or a test makes."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, raytrain_app, raytrain_app.cli, raytrain_app.jobs; "
+        "print(sorted(m for m in ('torch', 'ray.train') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
