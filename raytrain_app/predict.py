@@ -48,7 +48,8 @@ def predict(
 
     Writes a Parquet table with one row per sample: ``pred_<k>`` and ``true_<k>`` for each
     output ``k`` (a forecaster's horizon steps, in the data's original units; a classifier's
-    one predicted class and label). Returns the output path.
+    one predicted class and label). Batches are made by the data's ``collate`` if it has
+    one, and their targets are ``batch[1]``. Returns the output path.
     """
     if input_path is not None and Path(input_path).resolve() == Path(output_path).resolve():
         raise BadInputError(
@@ -65,7 +66,7 @@ def predict(
     predict_fn = spec.predict or (lambda m, batch: m(batch[0]))
     predictions, truths = [], []
     with torch.no_grad():
-        for batch in DataLoader(splits.val, batch_size=batch_size):
+        for batch in DataLoader(splits.val, batch_size, collate_fn=splits.batch_collate()):
             predictions.append(predict_fn(spec.module, batch).numpy())
             truths.append(batch[1].numpy())
     pred = _columns(np.concatenate(predictions))

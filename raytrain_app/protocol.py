@@ -56,6 +56,35 @@ Batched fetching (optional)::
 
 A dataset may gather a whole batch at once and return it as a ``CollatedBatch``;
 raytrain's loaders then use it as is instead of collating one sample at a time.
+
+Collate (optional)::
+
+    DataSplits(train=..., val=..., collate=pad_batch)
+    def pad_batch(samples: list) -> batch
+
+A DataLoader ``collate_fn`` for samples that torch's ``default_collate`` cannot stack,
+such as sequences of different lengths: pad them to the batch's longest and return the
+lengths too. raytrain's training and validation loaders, the memory probe, the driver's
+check of ``train.monitor`` and ``raytrain predict`` all batch with it; without it they
+collate as torch does (a ``CollatedBatch`` passes through). Keep ``(inputs, targets)``
+order, since ``raytrain predict`` reads the targets from ``batch[1]``, and make it a
+module-level function: DataLoader worker processes pickle it.
+
+Counted metrics (optional)::
+
+    StepOutput(loss=..., num_samples=..., counts={"confusion": confusion_of_batch})
+    ModelSpec(module=..., step=..., metrics_from_counts=f1_from_counts)
+    def f1_from_counts(totals: dict[str, torch.Tensor]) -> dict[str, float]
+
+For metrics that are not per-sample means (F1, precision and recall, AUROC from binned
+scores), a step returns additive ``counts``: tensors of a fixed shape per key, such as a
+confusion matrix or a histogram of scores per class. raytrain sums them over the epoch's
+batches and over all workers (one all-reduce per epoch, in float64, so integer counts
+stay exact) and calls ``metrics_from_counts`` once on the totals; its results appear as
+``train_<name>`` and ``val_<name>`` beside the means, and ``train.monitor`` may name them.
+Validation counts every sample once for any number of workers, so ``val_f1`` is the F1
+of the whole validation set. The names must differ from ``loss`` and the ``metrics``
+keys, and the hook must return a number for any totals (e.g. 0.0 when a denominator is 0).
 """
 
 from __future__ import annotations
@@ -68,6 +97,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from raytrain_app.errors import BadInputError
+
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -77,15 +108,20 @@ class StepOutput:
         loss: scalar tensor, the mean loss over the batch's samples; backpropagated.
         num_samples: number of samples in the batch, the weight of this batch's means.
         metrics: extra scalar per-sample means to report (detached or not).
+        counts: additive tensors (e.g. a confusion matrix), each of the same shape in every
+            batch; summed over batches and workers for ``ModelSpec.metrics_from_counts``.
     """
 
     loss: torch.Tensor
     num_samples: int
     metrics: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    counts: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 StepFn = Callable[[nn.Module, Any], StepOutput]
 PredictFn = Callable[[nn.Module, Any], torch.Tensor]
+CountsFn = Callable[[dict[str, torch.Tensor]], Mapping[str, Any]]
+CollateFn = Callable[[Any], Any]
 
 
 @dataclass(frozen=True)
@@ -97,11 +133,14 @@ class ModelSpec:
         step: computes the loss (and metrics) of one batch; used for training and validation.
         predict: maps a batch to predictions for ``raytrain predict``; ``None`` means
             ``module(batch[0])``.
+        metrics_from_counts: turns the epoch's ``StepOutput.counts``, summed over all
+            workers (float64 tensors on the CPU), into named metrics; ``None``: no counts.
     """
 
     module: nn.Module
     step: StepFn
     predict: PredictFn | None = None
+    metrics_from_counts: CountsFn | None = None
 
 
 @dataclass(frozen=True)
@@ -112,11 +151,18 @@ class DataSplits:
         train: map-style dataset of training samples.
         val: map-style dataset of validation samples.
         info: JSON-serialisable facts the model factory needs; stored in checkpoints.
+        collate: turns a list of samples into a batch (a DataLoader ``collate_fn``, e.g.
+            padding variable-length sequences); ``None``: torch's default collate.
     """
 
     train: Dataset
     val: Dataset
     info: Mapping[str, Any] = field(default_factory=dict)
+    collate: CollateFn | None = None
+
+    def batch_collate(self) -> CollateFn:
+        """What every loader of these splits batches with: ``collate``, or raytrain's."""
+        return self.collate or collate
 
 
 class CollatedBatch(Sequence):
@@ -152,3 +198,37 @@ def collate(samples: Any) -> Any:
     if isinstance(samples, CollatedBatch):
         return samples.fields
     return default_collate(samples)
+
+
+def check_counts_hook(spec: ModelSpec, counts: Mapping[str, torch.Tensor]) -> None:
+    """Refuse ``counts`` that no ``metrics_from_counts`` would turn into metrics."""
+    if counts and spec.metrics_from_counts is None:
+        raise BadInputError(
+            f"the step returned StepOutput.counts ({', '.join(sorted(counts))}) but the model "
+            f"factory's ModelSpec has no metrics_from_counts; set "
+            f"ModelSpec(metrics_from_counts=...) to report them, or leave counts out"
+        )
+
+
+def counted_metrics(
+    spec: ModelSpec, totals: dict[str, torch.Tensor], mean_names: Sequence[str]
+) -> dict[str, float]:
+    """``spec.metrics_from_counts(totals)`` as floats, named apart from the loss and the
+    per-sample means ``mean_names``."""
+    assert spec.metrics_from_counts is not None
+    values = dict(spec.metrics_from_counts(totals))
+    taken = {"loss", *mean_names}
+    out: dict[str, float] = {}
+    for name, value in values.items():
+        if name in taken:
+            raise BadInputError(
+                f"ModelSpec.metrics_from_counts returns {name!r}, a name StepOutput "
+                f"{'loss' if name == 'loss' else 'metrics'} already reports; rename it"
+            )
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise BadInputError(
+                f"ModelSpec.metrics_from_counts returns {name!r} as a tensor of shape "
+                f"{tuple(value.shape)}; return one number per name"
+            )
+        out[name] = float(value)
+    return out

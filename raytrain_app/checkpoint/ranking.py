@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,23 +135,36 @@ def best_checkpoint(folder: Folder, monitor: str, mode: str) -> BestCheckpoint |
     return best
 
 
-def check_monitor_on_one_batch(monitor: str, spec: Any, dataset: Any) -> None:
-    """Check ``monitor`` on the driver, before any worker starts, by running one tiny batch.
+def check_monitor_on_one_batch(
+    monitor: str, spec: Any, dataset: Any, collate: Callable[[list[Any]], Any] | None = None
+) -> None:
+    """Check ``monitor`` on the driver, before any worker starts, by running one tiny batch
+    (made by the workload's ``collate``, torch's default without one).
 
     train_loss and val_loss always exist; other metrics are known only once the model's
-    step ran. A step that cannot run here (e.g. a GPU-only model) leaves the check to the
-    workers, which make it after their first step.
+    step ran (and its ``metrics_from_counts``, for metrics made of counts). A step that
+    cannot run here (e.g. a GPU-only model) leaves the check to the workers, which make it
+    after their first step (or epoch).
     """
     if monitor in ("train_loss", "val_loss") or len(dataset) == 0:
         return
     import torch
     from torch.utils.data import default_collate
 
+    from raytrain_app.protocol import check_counts_hook, counted_metrics
+
     try:
-        batch = default_collate([dataset[i] for i in range(min(2, len(dataset)))])
+        batch = (collate or default_collate)([dataset[i] for i in range(min(2, len(dataset)))])
         spec.module.eval()
         with torch.no_grad():
-            names = list(spec.step(spec.module, batch).metrics)
+            out = spec.step(spec.module, batch)
+        names = list(out.metrics)
+        check_counts_hook(spec, out.counts)
+        if getattr(spec, "metrics_from_counts", None) is not None and out.counts:
+            totals = {key: value.detach().double().cpu() for key, value in out.counts.items()}
+            names += list(counted_metrics(spec, totals, names))
+    except BadInputError:
+        raise
     except Exception:
         return
     check_monitor(monitor, names)

@@ -228,11 +228,15 @@ def merged_epoch_progress(saved: list[dict[str, Any]], rank: int) -> dict[str, A
     if rank != 0:
         return {"elapsed_s": max(p["elapsed_s"] for p in saved)}
     sums: dict[str, float] = {}
+    counts: dict[str, torch.Tensor] = {}  # StepOutput.counts, absent in older checkpoints
     for progress in saved:
         for key, value in progress["sums"].items():
             sums[key] = sums.get(key, 0.0) + value
+        for key, value in progress.get("counts", {}).items():
+            counts[key] = counts[key] + value if key in counts else value.clone()
     return {
         "sums": sums,
+        **({"counts": counts} if counts else {}),
         "elapsed_s": max(p["elapsed_s"] for p in saved),
         "skipped_steps": saved[0]["skipped_steps"],
     }

@@ -14,7 +14,7 @@ from raytrain_app.checkpoint.store import MANIFEST_FILE
 _RENAMING_FILESYSTEMS = ("local", "hdfs")
 
 
-def upload_shards_atomically(checkpoint: Any, name: str) -> Any:
+def upload_shards_atomically(checkpoint: Any, name: str, storage: Any = None) -> Any:
     """``upload_atomically`` for a checkpoint that every rank reports a part of (FSDP's
     shards, ``sharded.py``), run by every rank inside ``ray.train.report``.
 
@@ -22,12 +22,15 @@ def upload_shards_atomically(checkpoint: Any, name: str) -> Any:
     (Ray's controller wants one path from all ranks); once all have, rank 0 renames it (or,
     on an object store, puts its manifest last), so the checkpoint appears whole or not
     at all wherever the ranks run.
+
+    ``storage``: where the run's checkpoints go (Ray Train's ``StorageContext`` by default;
+    in Ray Train's local mode, which has none, ``worker.local_mode.RunStorage``).
     """
     import pyarrow.fs
     import ray.train
     import torch.distributed as dist
 
-    storage = ray.train.get_context().get_storage()
+    storage = storage or ray.train.get_context().get_storage()
     fs = storage.storage_filesystem
     chosen = [_free_path(storage, fs, name) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(chosen, src=0)
@@ -76,17 +79,17 @@ def _copy_file(file: Path, destination: str, source_fs: Any, fs: Any) -> None:
     )
 
 
-def upload_atomically(checkpoint: Any, name: str) -> Any:
+def upload_atomically(checkpoint: Any, name: str, storage: Any = None) -> Any:
     """Copy a checkpoint into the run's storage under a temporary name, then rename it.
 
     A worker killed mid-copy leaves only a ``.partial`` directory, never a torn checkpoint
     under a real name (on object stores, where a rename is a copy, the manifest still
-    catches a torn one).
+    catches a torn one). ``storage`` as in ``upload_shards_atomically``.
     """
     import pyarrow.fs
     import ray.train
 
-    storage = ray.train.get_context().get_storage()
+    storage = storage or ray.train.get_context().get_storage()
     fs = storage.storage_filesystem
     final = _free_path(storage, fs, name)
     if fs.type_name not in _RENAMING_FILESYSTEMS:

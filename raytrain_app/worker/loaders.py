@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Subset
 
 from raytrain_app.config import DataloaderConfig
 from raytrain_app.planning.rules import TrainingPlan
-from raytrain_app.protocol import collate
+from raytrain_app.protocol import CollateFn, collate
 from raytrain_app.worker.sampler import ResumableDistributedSampler
 
 
@@ -63,12 +63,14 @@ def build_worker_loaders(
     rank: int,
     world_size: int,
     prepare: Callable[[DataLoader], Any],
+    collate: CollateFn = collate,
 ) -> WorkerLoaders:
-    """The loaders of rank ``rank``; ``prepare`` is the session's ``prepare_loader``."""
+    """The loaders of rank ``rank``; ``prepare`` is the session's ``prepare_loader``,
+    ``collate`` the workload's (``DataSplits.batch_collate``)."""
     loader_kwargs: dict[str, Any] = {
         "num_workers": plan.dataloader_workers,
         "pin_memory": plan.pin_memory,
-        # Takes a dataset's batched __getitems__ result as is (see protocol.py).
+        # By default takes a dataset's batched __getitems__ result as is (protocol.py).
         "collate_fn": collate,
     }
     if plan.dataloader_workers > 0:

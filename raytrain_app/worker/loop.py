@@ -23,16 +23,16 @@ from raytrain_app.checkpoint.ranking import check_monitor
 from raytrain_app.checkpoint.sharded import is_sharded
 from raytrain_app.checkpoint.train_state import LoopState, Trainables, load_resumable
 from raytrain_app.config import RaytrainConfig, config_from_dict
-from raytrain_app.errors import RunFailedError
+from raytrain_app.errors import BadInputError, RunFailedError
 from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
 from raytrain_app.planning.batch import steps_per_epoch
 from raytrain_app.planning.rules import TrainingPlan, plan_for_world_size
-from raytrain_app.protocol import ModelSpec
+from raytrain_app.protocol import ModelSpec, check_counts_hook, counted_metrics
 from raytrain_app.tracking.metrics_log import MetricsLog
 from raytrain_app.tracking.run_files import RankZeroFiles
 from raytrain_app.tracking.trackers import Tracker, open_tracker
 from raytrain_app.worker.fsdp import equal_forwards
-from raytrain_app.worker.global_metrics import Averages, EpochProgress, gather
+from raytrain_app.worker.global_metrics import Averages, Counts, EpochProgress, gather
 from raytrain_app.worker.loaders import WorkerLoaders, build_worker_loaders
 from raytrain_app.worker.model_companions import broadcast_buffers
 from raytrain_app.worker.model_setup import prepare_for_training
@@ -94,6 +94,8 @@ class WorkerLoop:
         self._resumed_epoch: dict[str, Any] | None = None  # this rank's mid-epoch sums
         self._stop = False  # the ranks agreed to checkpoint and stop
         self._metric_names: list[str] | None = None  # known after the first step
+        self._counted_names: set[str] = set()  # of metrics_from_counts, after an epoch
+        self._counted_checked = False
         self.tracker = Tracker()  # rank 0's TensorBoard / MLflow / W&B, opened in _run
         self.loaders: WorkerLoaders | None = None  # built in setup
         self._last_push = 0.0  # when rank 0 last updated the driver's progress bar
@@ -129,6 +131,7 @@ class WorkerLoop:
             if row is None:  # stopped mid-epoch on request, checkpoint written
                 return self._result(nodes, stopped=True)
             row.update(self.validate())
+            self._check_counted_names()
             self.state.epoch, self.state.history = epoch + 1, [*self.state.history, row]
             if metrics_log:
                 metrics_log.append(row)
@@ -176,7 +179,13 @@ class WorkerLoop:
         torch.manual_seed(seed)
         self.spec: ModelSpec = build_model(self.task.model, self.data_info)
         self.plan, self.module, model, agreement, ema = prepare_for_training(
-            self.spec, plan, cfg.distributed, self.session, self.device, splits.train
+            self.spec,
+            plan,
+            cfg.distributed,
+            self.session,
+            self.device,
+            splits.train,
+            splits.batch_collate(),
         )
         plan = self.plan  # the memory probe may have re-split the batch
         self.loaders = build_worker_loaders(
@@ -188,6 +197,7 @@ class WorkerLoop:
             rank=self.rank,
             world_size=self.world_size,
             prepare=self.session.prepare_loader,
+            collate=splits.batch_collate(),
         )
         self.steps_per_epoch = steps_per_epoch(len(splits.train), plan.effective_batch_size)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -283,7 +293,7 @@ class WorkerLoop:
                 self._settle(pending)
                 pending = None
             if late or not outcome.flags.nonfinite:
-                outcome.add_to(progress.averages)
+                outcome.add_to(progress)
                 self.stepper.apply(self.state.step + 1)
             else:
                 self._skip_nonfinite_step(where, outcome)
@@ -310,8 +320,26 @@ class WorkerLoop:
 
     def _note_metric_names(self, outcome: StepOutcome) -> None:
         if self._metric_names is None:  # the first step tells which metrics the model has
-            check_monitor(self.cfg.train.monitor, outcome.metric_names)
+            for counts in outcome.micro_counts:
+                check_counts_hook(self.spec, counts)
+            if self.spec.metrics_from_counts is None:  # else known after the first epoch
+                check_monitor(self.cfg.train.monitor, outcome.metric_names)
         self._metric_names = outcome.metric_names
+
+    def _check_counted_names(self) -> None:
+        """Once, after this process's first epoch, when the metrics made of counts are
+        known: that there are some, and the monitor among them or the means."""
+        if self._counted_checked or self.spec.metrics_from_counts is None:
+            return
+        self._counted_checked = True
+        if not self._counted_names:
+            raise BadInputError(
+                "the model factory's ModelSpec has metrics_from_counts but no step returned "
+                "StepOutput.counts; return the counts it needs from the step function, or "
+                "leave metrics_from_counts unset"
+            )
+        names = [*(self._metric_names or []), *sorted(self._counted_names)]
+        check_monitor(self.cfg.train.monitor, names)
 
     def _where(self, epoch: int, step_in_epoch: int) -> str:
         """The step about to be taken, as an error or a log line names it."""
@@ -371,6 +399,7 @@ class WorkerLoop:
             "epoch": epoch + 1,
             "step": self.state.step,
             **progress.averages.global_means("train_", self._metric_names or []),
+            **self._counted("train_", progress.counts),
         }
         row["lr"] = self.stepper.lr()
         row["world_size"] = self.world_size  # an elastic run's size at the epoch's end
@@ -393,16 +422,31 @@ class WorkerLoop:
         # Every rank validates with rank 0's buffers, the ones its checkpoint holds.
         broadcast_buffers(module, self.world_size)
         module.eval()
-        averages = Averages(self.device)
+        averages, counts = Averages(self.device), Counts(self.device)
         # A sharded (FSDP) model's forward is collective: every rank runs as many.
         val = equal_forwards(self.loaders.val, is_sharded(module), self.device)
-        for batch, counts in val:
+        for batch, real in val:
             with self.stepper.autocast():
                 out = self.spec.step(module, batch)
-            if counts:
+            if real:  # not a sharded model's repeated forward
                 averages.add({"loss": out.loss, **out.metrics}, out.num_samples)
-        # A rank with no validation samples still joins the reduce, with zeros.
-        return averages.global_means("val_", self._metric_names or [])
+                check_counts_hook(self.spec, out.counts)
+                counts.add(out.counts)
+        # A rank with no validation samples still joins the reduces, with zeros.
+        means = averages.global_means("val_", self._metric_names or [])
+        return {**means, **self._counted("val_", counts)}
+
+    def _counted(self, prefix: str, counts: Counts) -> dict[str, float]:
+        """The metrics ``metrics_from_counts`` makes of the counts summed over all workers
+        (the same on every rank); none without the hook or without counts."""
+        if self.spec.metrics_from_counts is None:
+            return {}
+        totals = counts.global_totals(self.world_size)
+        if not totals:
+            return {}
+        values = counted_metrics(self.spec, totals, self._metric_names or [])
+        self._counted_names.update(values)
+        return {f"{prefix}{name}": value for name, value in values.items()}
 
     def _validation_module(self) -> nn.Module:
         if self.ema is not None and int(self.ema.n_averaged) > 0:

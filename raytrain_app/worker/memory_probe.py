@@ -21,7 +21,7 @@ from torch import nn
 from raytrain_app.errors import RunFailedError
 from raytrain_app.planning.batch import plan_batch
 from raytrain_app.planning.rules import TrainingPlan
-from raytrain_app.protocol import ModelSpec, collate
+from raytrain_app.protocol import CollateFn, ModelSpec, collate
 from raytrain_app.worker.rank_zero import rank_zero_info
 from raytrain_app.worker.session import to_device
 
@@ -118,13 +118,15 @@ def fit_plan_to_memory(
     autocast: Callable[[], contextlib.AbstractContextManager],
     device: torch.device,
     world_size: int,
+    collate: CollateFn = collate,
 ) -> TrainingPlan:
     """``plan`` with the largest micro-batch that fits on every rank (the smallest over
     all ranks, agreed in one all-reduce after each rank probed alone) and the global batch
     kept with accumulation. Gradient checkpointing is
     turned on first when it is ``auto``, the batch does not fit, and the model supports it.
 
-    Runs on every rank before SyncBatchNorm and DDP touch the bare ``module``.
+    Runs on every rank before SyncBatchNorm and DDP touch the bare ``module``; the probe's
+    batches are ``train_set``'s first samples, batched by the workload's ``collate``.
     """
     module.to(device)
 

@@ -13,7 +13,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from raytrain_app.config import DistributedConfig
 from raytrain_app.planning.rules import TrainingPlan
-from raytrain_app.protocol import ModelSpec
+from raytrain_app.protocol import CollateFn, ModelSpec, collate
 from raytrain_app.worker.fsdp import shard_model_and_ema
 from raytrain_app.worker.memory_probe import fit_plan_to_memory
 from raytrain_app.worker.model_companions import make_ema, register_comm_hook
@@ -33,9 +33,12 @@ def prepare_for_training(
     session: WorkerSession,
     device: torch.device,
     train_data: Any,
+    collate: CollateFn = collate,
 ) -> tuple[TrainingPlan, nn.Module, nn.Module, StepAgreement, AveragedModel | None]:
     """Returns the plan (the memory probe may re-split the batch), the bare module (what
-    checkpoints hold), the model as trained, the step agreement and the EMA (or None)."""
+    checkpoints hold), the model as trained, the step agreement and the EMA (or None).
+
+    ``train_data`` and ``collate`` give the memory probe its batches."""
     world_size = session.world_size
     module = spec.module
     if plan.gradient_checkpointing:  # the driver checked the model has the hook
@@ -51,6 +54,7 @@ def prepare_for_training(
             lambda: autocast_for(plan.precision, device),
             device,
             world_size,
+            collate,
         )
     if plan.sync_batchnorm and has_batchnorm(module):
         # Before DDP wraps it; the converted layers keep BatchNorm's state-dict keys.

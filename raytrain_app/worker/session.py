@@ -106,23 +106,25 @@ class RayTrainSession:
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         import ray.train
 
-        return _checkpoint_directory(_newest_persisted(ray.train.get_checkpoint()))
+        return checkpoint_directory(newest_persisted(ray.train.get_checkpoint()))
 
     def node_address(self) -> str:
         return _node_address()
 
 
-def _newest_persisted(reported: Any) -> Any:
+def newest_persisted(reported: Any, storage: Any = None) -> Any:
     """Ray's latest checkpoint, or a newer complete one in the run's storage.
 
     Ray records a checkpoint in its run state only after the upload: a driver killed in
-    between leaves the newest checkpoint on storage but unknown to Ray's next run. Every
-    rank lists the same storage, so all resume from the same one.
+    between leaves the newest checkpoint on storage but unknown to Ray's next run (and a
+    run in Ray Train's local mode, ``worker.local_mode``, records none). Every rank lists
+    the same storage, so all resume from the same one. ``storage``: Ray Train's
+    ``StorageContext`` by default.
     """
     import pyarrow.fs
     import ray.train
 
-    storage = ray.train.get_context().get_storage()
+    storage = storage or ray.train.get_context().get_storage()
     fs = storage.storage_filesystem
     try:
         entries = fs.get_file_info(pyarrow.fs.FileSelector(storage.experiment_fs_path))
@@ -146,7 +148,7 @@ def _newest_persisted(reported: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _checkpoint_directory(checkpoint: Any) -> Iterator[Path | None]:
+def checkpoint_directory(checkpoint: Any) -> Iterator[Path | None]:
     """A Ray checkpoint (Train's or Tune's) as a local directory, or None."""
     if checkpoint is None:
         yield None
@@ -289,7 +291,7 @@ class TuneTrialSession(InProcessSession):
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         from ray import tune
 
-        return _checkpoint_directory(tune.get_checkpoint())
+        return checkpoint_directory(tune.get_checkpoint())
 
     def node_address(self) -> str:
         return _node_address()

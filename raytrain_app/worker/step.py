@@ -7,8 +7,8 @@ Nothing here logs, reports or checkpoints; ``loop.py`` does that around each ste
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from raytrain_app.config import TrainConfig
 from raytrain_app.planning.batch import lr_factor
 from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import ModelSpec
-from raytrain_app.worker.global_metrics import Averages
+from raytrain_app.worker.global_metrics import EpochProgress
 from raytrain_app.worker.model_companions import broadcast_buffers
 from raytrain_app.worker.step_agreement import AgreedFlags, StepAgreement
 
@@ -63,13 +63,16 @@ class StepOutcome:
     # Whether some rank's loss was NaN or infinite (every rank skips the step, or stops),
     # and whether some rank was asked to stop (every rank stops after this step).
     flags: AgreedFlags
+    micro_counts: list[Mapping[str, torch.Tensor]] = field(default_factory=list)
 
     def losses(self) -> list[float]:
         return [float(values["loss"].detach()) for values, _ in self.micro_results]
 
-    def add_to(self, averages: Averages) -> None:
+    def add_to(self, progress: EpochProgress) -> None:
         for values, num_samples in self.micro_results:
-            averages.add(values, num_samples)
+            progress.averages.add(values, num_samples)
+        for counts in self.micro_counts:
+            progress.counts.add(counts)
 
 
 class OptimizerStep:
@@ -112,17 +115,19 @@ class OptimizerStep:
         in the last backward's gradient all-reduce."""
         accum = self.plan.grad_accum_steps
         micro_results: list[tuple[dict[str, torch.Tensor], int]] = []
+        micro_counts: list[Mapping[str, torch.Tensor]] = []
         for micro in range(accum):
             last = micro == accum - 1
             with self._sync_context(last):
                 with self.autocast():
                     out = self.spec.step(self.model, next(batches))
                 micro_results.append(({"loss": out.loss, **out.metrics}, out.num_samples))
+                micro_counts.append(out.counts)
                 if last:  # the flags travel with this backward's gradient all-reduce
                     self.agreement.send(_step_flags(micro_results, stop_requested))
                 self.scaler.scale(out.loss / accum).backward()
         flags = self.agreement.receive_flags()
-        return StepOutcome(micro_results, out.loss, list(out.metrics), flags)
+        return StepOutcome(micro_results, out.loss, list(out.metrics), flags, micro_counts)
 
     def apply(self, step: int) -> None:
         """Clip, update the weights and the schedule; then the EMA, as of optimizer ``step``
