@@ -56,11 +56,15 @@ __all__ = [
 ]
 
 
-def train(config=None, *, overrides=(), address=None, progress=True):
-    """Train a config (object, dict, YAML path or None for the quickstart); see driver.train."""
+def train(config=None, *, overrides=(), address=None, progress=True, local=False):
+    """Train a config (object, dict, YAML path or None for the quickstart); see driver.train.
+
+    ``local=True``: in this process, without Ray (Ray Train's local mode), for debugging.
+    """
     from raytrain_app.driver.training import train as _train
 
-    return _train(_as_config(config, overrides), address=address, progress=progress)
+    cfg = _as_config(config, overrides)
+    return _train(cfg, address=address, progress=progress, local=local)
 
 
 def tune(config=None, *, overrides=(), address=None):

@@ -155,6 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a model (default: the quickstart)")
     _add_config_flags(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--local",
+        action="store_true",
+        help="run in this process, without a Ray cluster (Ray Train's local mode): fast to "
+        "start, and breakpoint()/pdb work in your model's step",
+    )
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --local: N processes on this machine under torchrun",
+    )
 
     plan = commands.add_parser("plan", help="print the resolved plan; start nothing")
     _add_config_flags(plan)
@@ -274,11 +287,35 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_under_torchrun(args: argparse.Namespace) -> int:
+    """``train --local --nproc N``: the same command in N processes under torchrun."""
+    from raytrain_app.driver.local_run import run_under_torchrun
+    from raytrain_app.planning.environment import detect_environment
+
+    if not args.local:
+        raise BadInputError("--nproc runs local processes and needs --local; add --local")
+    if args.nproc < 1:
+        raise BadInputError(f"--nproc {args.nproc} must be at least 1")
+    if detect_environment().torchrun:
+        raise BadInputError("already under torchrun: drop --nproc and let torchrun start them")
+    argv = ["--debug"] if args.debug else []
+    argv += ["train", "--local", *(["--no-progress"] if args.no_progress else [])]
+    argv += ["--config", args.config] if args.config else []
+    argv += [arg for item in args.overrides for arg in ("--set", item)]
+    return run_under_torchrun(argv, args.nproc)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
+    if args.local and args.address:
+        raise BadInputError("--local runs without a Ray cluster; drop --address (or --local)")
+    if args.nproc != 1:
+        return _train_under_torchrun(args)
     from raytrain_app.driver.training import train
 
     cfg = load_config(args.config, args.overrides)
-    result = train(cfg, address=args.address, progress=not args.no_progress)
+    result = train(cfg, address=args.address, progress=not args.no_progress, local=args.local)
+    if result is None:  # one of torchrun's other processes: rank 0 reports
+        return 0
     s = result.summary
     final = s["final_metrics"]
     print(f"run directory : {result.run_dir}")

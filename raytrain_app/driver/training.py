@@ -7,6 +7,7 @@ bad input fails fast with exit code 2, then runs a ``TorchTrainer`` whose worker
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
@@ -20,6 +21,7 @@ import ray.train
 from raytrain_app.checkpoint.ranking import best_checkpoint, check_monitor_on_one_batch
 from raytrain_app.config import RaytrainConfig, config_to_dict
 from raytrain_app.driver.failures import user_facing_error
+from raytrain_app.driver.local_run import local_processes_config, run_local, torchrun_rank
 from raytrain_app.driver.ray_connection import ray_session
 from raytrain_app.driver.run_directory import RunDirectory
 from raytrain_app.driver.run_lease import hold_run_lease, refuse_if_held
@@ -94,7 +96,7 @@ def preflight(cfg: RaytrainConfig, run_dir: RunDirectory, plan: TrainingPlan) ->
             f"no gradient_checkpointing_enable() method; add one (see raytrain_app/protocol.py) "
             f"or set optimizations.gradient_checkpointing=false"
         )
-    check_monitor_on_one_batch(cfg.train.monitor, spec, splits.val)
+    check_monitor_on_one_batch(cfg.train.monitor, spec, splits.val, splits.collate)
     steps_per_epoch(len(splits.train), plan.effective_batch_size)
     return data_ref
 
@@ -161,18 +163,35 @@ def _best_summary(run_dir: RunDirectory, cfg: RaytrainConfig) -> dict[str, Any]:
     }
 
 
-def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = True) -> TrainResult:
+def train(
+    cfg: RaytrainConfig,
+    *,
+    address: str | None = None,
+    progress: bool = True,
+    local: bool = False,
+) -> TrainResult | None:
     """Train ``cfg`` with DDP on Ray; resumes the run of the same name and config if any.
+
+    ``local``: in Ray Train's local mode, in this process (``driver.local_run``); under
+    torchrun, in each of its processes, of which only rank 0 returns a result (the others
+    return None).
 
     Raises:
         BadInputError: the config, data or model is invalid (nothing was written).
         RunFailedError: the run started and failed.
     """
     start = time.perf_counter()
+    if local and address:
+        raise BadInputError("local=True runs without a Ray cluster; pass no address")
+    if local:
+        cfg = local_processes_config(cfg)
+        if torchrun_rank():  # torchrun's other processes: rank 0 checks, prepares, records
+            run_local(None, cfg, RunDirectory.for_config(cfg).at("checkpoints"))
+            return None
     check_tracking_installed(cfg)
     check_sources(cfg.model, cfg.data)  # a wrong target or data path fails before Ray starts
     env = detect_environment()
-    if not (address or env.ray_address or ray.is_initialized()):
+    if not (local or address or env.ray_address or ray.is_initialized()):
         # Ray will run on this machine: plan against it first, so bad input fails in a
         # second instead of after Ray's start-up.
         local_plan = make_plan(cfg, env)
@@ -181,16 +200,19 @@ def train(cfg: RaytrainConfig, *, address: str | None = None, progress: bool = T
     # depends on the name and output_dir alone; nothing is written to look).
     refuse_if_held(RunDirectory.for_config(cfg).location.uri, "train")
     apply_ray_train_defaults()
-    with ray_session(address, env) as cluster_env:
+    with contextlib.nullcontext(env) if local else ray_session(address, env) as cluster_env:
         plan = make_plan(cfg, cluster_env)
         resolved = resolve_config(cfg, plan)
         run_dir = RunDirectory.for_config(resolved)
-        if run_dir.location.is_local:  # an object store is the same store on every node
+        # An object store is the same store on every node; local mode runs on this one.
+        if run_dir.location.is_local and not local:
             check_shared(run_dir.location.local_path.parent, resolved.experiment.output_dir)
         resuming = run_dir.check_resumable(resolved)
         # One writer at a time; a second train or tune of this directory exits 2 here.
         with hold_run_lease(run_dir.location.uri, "train"):
-            result, stop_signal = _run(resolved, run_dir, plan, resuming, cluster_env, progress)
+            result, stop_signal = _run(
+                resolved, run_dir, plan, resuming, cluster_env, progress, local
+            )
             summary = _summary(result, plan, time.perf_counter() - start, run_dir.at("checkpoints"))
             summary.update(_best_summary(run_dir, resolved))
             run_dir.write_summary(summary)
@@ -215,11 +237,13 @@ def _run(
     resuming: bool,
     cluster_env: Environment,
     progress: bool,
+    local: bool = False,
 ) -> tuple[ray.train.Result, str | None]:
     """Check the workload on the driver, write config.yaml, run the TorchTrainer."""
     data_ref = preflight(resolved, run_dir, plan)
     run_dir.write_config(resolved)
-    logger.info("%s run in %s", "resuming" if resuming else "starting", run_dir.location)
+    how = " locally (Ray Train's local mode)" if local else ""
+    logger.info("%s run%s in %s", "resuming" if resuming else "starting", how, run_dir.location)
     task = WorkerTask(
         config=config_to_dict(resolved),
         plan=plan,
@@ -227,6 +251,8 @@ def _run(
         model=model_factory(resolved.model),
         run_dir=run_dir.location.uri,
     )
+    if local:
+        return run_local(task, resolved, run_dir.at("checkpoints"))
     try:
         return run_trainer(
             task, resolved, run_dir.at("checkpoints"), progress, cluster_env.embedded_ray

@@ -12,7 +12,8 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 # Ray Train V2 collects reports on a health-check poll (2 s by default), so each report
@@ -304,6 +305,25 @@ def unset_ray_train_defaults(names: list[str]) -> None:
     session in this process (on a cluster, say) starts from the user's own environment."""
     for name in names:
         os.environ.pop(name, None)
+
+
+@contextmanager
+def plain_breakpoints() -> Iterator[None]:
+    """``breakpoint()`` runs pdb in this process's terminal while the block runs.
+
+    A process that ever called ``ray.init`` (a notebook, a test session) has
+    ``PYTHONBREAKPOINT`` set to Ray's remote debugger, which needs a Ray worker: in Ray
+    Train's local mode there is none, and the user's breakpoint would raise instead.
+    """
+    hook = os.environ.get("PYTHONBREAKPOINT", "")
+    rays = hook.startswith("ray.util.rpdb")
+    if rays:
+        del os.environ["PYTHONBREAKPOINT"]
+    try:
+        yield
+    finally:
+        if rays:
+            os.environ["PYTHONBREAKPOINT"] = hook
 
 
 def training_worker_env_vars() -> dict[str, str]:

@@ -11,7 +11,8 @@ hooks it trains with, and its process's niceness, to this JSON file), ``oom_abov
 (batches larger than this raise ``torch.OutOfMemoryError`` after the forward pass, as a
 GPU would; a list gives one limit per rank), ``inf_grad_at_calls`` (a finite loss whose
 gradient is infinite, as an fp16 overflow), ``batchnorm`` (a BatchNorm1d after the first
-layer).
+layer), ``breakpoint_at_call`` + ``marker`` (a ``breakpoint()`` in the step, as a user
+debugging it, while the marker file does not exist yet).
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def _inject(params: dict, calls: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     if _rank() == params.get("hang_rank") and calls == params.get("hang_at_call"):
         time.sleep(3600)
+    if calls == params.get("breakpoint_at_call") and not Path(params["marker"]).exists():
+        breakpoint()  # a user's, for the local mode's test
 
 
 def _record_comm_hooks(model: nn.Module, calls: int, path: Path) -> None:

@@ -1,0 +1,114 @@
+"""`raytrain train --local`: Ray Train's local mode, the run in this process without Ray.
+
+A user debugging a step stops at its ``breakpoint()`` in the terminal; the run's
+checkpoints are a Ray run's, so the same run resumes on Ray; ``--nproc 2`` trains the same
+optimisation in two processes under torchrun. Each ends within float rounding of one
+uninterrupted run (one worker sums its batch's gradients in another order than two).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from fault_runs import cli_env, fault_config, newest_step
+from loop_harness import LocalSession, run_loop, worker_task
+
+import raytrain_app as rt
+from raytrain_app.config import config_from_dict
+from raytrain_app.testing.isolation import ray_temp_dir
+from raytrain_app.tracking.metrics_log import read_metrics
+
+pytestmark = pytest.mark.distributed
+
+EPOCHS = 2  # 100 optimizer steps, a checkpoint every 10
+KILL_AT_CALL = 75  # one process, one micro-batch a step: step 75, after checkpoint 70
+
+
+def _config(output_dir: Path, name: str, **model_params) -> dict:
+    """The fault workload without dropout: its masks differ between 1 and 2 processes."""
+    return fault_config(output_dir, name, epochs=EPOCHS, dropout=0.0, **model_params)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The same training on one worker in this process, never interrupted."""
+    out = tmp_path_factory.mktemp("local-ref")
+    cfg = config_from_dict(_config(out, "straight") | {"scaling": {"num_workers": 1}})
+    result, weights = run_loop(worker_task(cfg, out / "straight"), LocalSession(out / "ckpt"))
+    return result["history"], weights
+
+
+def _local_train(config: dict, tmp_path: Path, *flags: str, stdin: str = "") -> tuple[int, str]:
+    path = tmp_path / f"{config['experiment']['name']}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "raytrain_app.cli", "train", "--local", "--no-progress"]
+    done = subprocess.run(
+        [*command, *flags, "--config", str(path)],
+        env=cli_env(ray_temp_dir("rt-local-")),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def _assert_ends_as(run_dir: Path, uninterrupted: tuple[list[dict], dict]) -> None:
+    expected, weights = uninterrupted
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [r["step"] for r in expected] == [50, 100]
+    for row, want in zip(rows, expected, strict=True):
+        for column in ("train_loss", "val_loss", "lr"):
+            assert row[column] == pytest.approx(want[column], rel=1e-5, abs=1e-9), column
+    ours = rt.load_model(run_dir).state_dict()
+    for key, tensor in weights.items():
+        torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-7)
+
+
+def test_a_local_run_stops_at_a_breakpoint_and_after_a_crash_resumes_on_ray(
+    ray_cluster, tmp_path, uninterrupted
+):
+    cfg = _config(
+        tmp_path / "runs",
+        "debugged",
+        breakpoint_at_call=3,
+        kill_rank=0,
+        kill_at_call=KILL_AT_CALL,
+        marker=str(tmp_path / "crashed"),
+    )
+    # At the breakpoint the user prints something and continues; later the process dies
+    # without any clean-up (SIGKILL), as a debugging session often ends.
+    code, output = _local_train(cfg, tmp_path, stdin="p 'seen in pdb'\nc\n")
+    assert code == -signal.SIGKILL, output
+    assert "(Pdb)" in output and "'seen in pdb'" in output, output
+    assert "starting run locally (Ray Train's local mode)" in output
+    assert "Started a local Ray instance" not in output  # no Ray at all
+    run_dir = tmp_path / "runs" / "debugged"
+    assert newest_step(run_dir) == 70
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["scaling"]["num_workers"] == 1
+
+    # The same config on Ray (2 workers): it resumes from the local run's checkpoint.
+    result = rt.train(cfg, progress=False)
+    segments = [(s["step"], s["world_size"]) for s in result.summary["world_size_segments"]]
+    assert segments == [(0, 1), (70, 2)], segments
+    _assert_ends_as(run_dir, uninterrupted)
+
+
+def test_two_local_processes_under_torchrun_train_the_same_optimisation(tmp_path, uninterrupted):
+    code, output = _local_train(_config(tmp_path / "runs", "pair"), tmp_path, "--nproc", "2")
+    assert code == 0, output
+    run_dir = tmp_path / "runs" / "pair"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["status"] == "completed"
+    assert output.count("epoch 2/2: step=100") == 1  # rank 0 alone logs
+    # Retention as on Ray (train.keep_checkpoints: 3): the 3 best, the newest among them.
+    kept = sorted(p.name for p in (run_dir / "checkpoints" / "pair").iterdir())
+    assert len(kept) == 3 and kept[-1].endswith("step000000100"), kept
+    _assert_ends_as(run_dir, uninterrupted)
