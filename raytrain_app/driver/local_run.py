@@ -16,12 +16,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
+from contextlib import nullcontext
 from typing import Any
 
 import ray.train
 from ray.train.torch import TorchTrainer
 
 from raytrain_app.config import RaytrainConfig
+from raytrain_app.driver.signals import stop_on_signals
 from raytrain_app.errors import BadInputError, RunFailedError, first_line
 from raytrain_app.planning.environment import plain_breakpoints
 from raytrain_app.storage import StorageLocation
@@ -77,8 +80,14 @@ def run_local(
         scaling_config=ray.train.ScalingConfig(num_workers=0),
         run_config=ray.train.RunConfig(name=cfg.experiment.name),
     )
+    # One process: a stop signal checkpoints at the next step, as on Ray. Under torchrun
+    # its agent owns the signals and stops every process.
+    stop = threading.Event()
+    alone = torchrun_rank() is None
+    if task is not None and alone:
+        task.control = stop
     try:
-        with plain_breakpoints():
+        with plain_breakpoints(), stop_on_signals(stop) if alone else nullcontext([]) as got:
             result = trainer.fit()
     except (BadInputError, RunFailedError, KeyboardInterrupt):
         raise
@@ -87,7 +96,7 @@ def run_local(
     # A report without a checkpoint replaces Ray's last one in local mode: the run's
     # checkpoint is the newest in storage, what a resume continues from.
     newest = newest_persisted(None, storage=RunStorage(folder.filesystem, folder.path))
-    return dataclasses.replace(result, checkpoint=newest), None
+    return dataclasses.replace(result, checkpoint=newest), got[0] if got else None
 
 
 def _local_entry(config: dict[str, Any]) -> dict[str, Any]:
@@ -95,7 +104,7 @@ def _local_entry(config: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        shared = [task]
+        shared = [task]  # no control under torchrun: nothing unpicklable
         dist.broadcast_object_list(shared, src=0)  # rank 0's task, checked and prepared
         task = shared[0]
     return train_worker_local(task, config["checkpoints"], config["retention"])

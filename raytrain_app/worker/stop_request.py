@@ -2,11 +2,13 @@
 
 Rank 0 asks the driver's run-control actor between steps, without waiting for the
 answer on the training path; the answer reaches the other ranks through the per-step
-agreement (``step_agreement``), so every rank stops at the same step.
+agreement (``step_agreement``), so every rank stops at the same step. In Ray Train's
+local mode the driver is this process, and its flag is read directly.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -18,13 +20,16 @@ class StopRequest:
     """Rank 0's view of the driver's stop request; other ranks never ask."""
 
     def __init__(self, control: Any, rank_zero: bool) -> None:
-        self._control = control if rank_zero else None  # the RunControl actor, or None
+        # The RunControl actor, the driver's flag in local mode, or None.
+        self._control = control if rank_zero else None
         self._pending: Any = None  # the unanswered question
         self._last_poll = 0.0
 
     def requested(self) -> bool:
         if self._control is None:
             return False
+        if isinstance(self._control, threading.Event):  # local mode: the driver's own flag
+            return self._control.is_set()
         import ray
 
         if self._pending is not None:

@@ -1,9 +1,10 @@
 """`raytrain train --local`: Ray Train's local mode, the run in this process without Ray.
 
 A user debugging a step stops at its ``breakpoint()`` in the terminal; the run's
-checkpoints are a Ray run's, so the same run resumes on Ray; ``--nproc 2`` trains the same
-optimisation in two processes under torchrun. Each ends within float rounding of one
-uninterrupted run (one worker sums its batch's gradients in another order than two).
+checkpoints are a Ray run's, so the same run resumes on Ray; Ctrl-C checkpoints and stops
+as on Ray; ``--nproc 2`` resumes in two processes under torchrun. Each ends within float
+rounding of one uninterrupted run (one worker sums its batch's gradients in another order
+than two).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from fault_runs import cli_env, fault_config, newest_step
+from fault_runs import cli_env, fault_config, newest_step, wait_for_checkpoint_after
 from loop_harness import LocalSession, run_loop, worker_task
 
 import raytrain_app as rt
@@ -45,17 +46,18 @@ def uninterrupted(tmp_path_factory) -> tuple[list[dict], dict[str, torch.Tensor]
     return result["history"], weights
 
 
-def _local_train(config: dict, tmp_path: Path, *flags: str, stdin: str = "") -> tuple[int, str]:
+def _local_command(config: dict, tmp_path: Path, *flags: str) -> tuple[list[str], dict]:
+    """``raytrain train --local [flags] --config <config written to a file>``, its env."""
     path = tmp_path / f"{config['experiment']['name']}.yaml"
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "raytrain_app.cli", "train", "--local", "--no-progress"]
+    return [*command, *flags, "--config", str(path)], cli_env(ray_temp_dir("rt-local-"))
+
+
+def _local_train(config: dict, tmp_path: Path, *flags: str, stdin: str = "") -> tuple[int, str]:
+    command, env = _local_command(config, tmp_path, *flags)
     done = subprocess.run(
-        [*command, *flags, "--config", str(path)],
-        env=cli_env(ray_temp_dir("rt-local-")),
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        command, env=env, input=stdin, capture_output=True, text=True, timeout=300
     )
     return done.returncode, done.stdout + done.stderr
 
@@ -101,13 +103,33 @@ def test_a_local_run_stops_at_a_breakpoint_and_after_a_crash_resumes_on_ray(
     _assert_ends_as(run_dir, uninterrupted)
 
 
-def test_two_local_processes_under_torchrun_train_the_same_optimisation(tmp_path, uninterrupted):
-    code, output = _local_train(_config(tmp_path / "runs", "pair"), tmp_path, "--nproc", "2")
-    assert code == 0, output
+def test_ctrl_c_stops_a_local_run_at_a_checkpoint_and_two_processes_resume_it(
+    tmp_path, uninterrupted
+):
+    """Ctrl-C checkpoints at the next step and exits 130, as on Ray; ``--nproc 2`` then
+    resumes that run in two processes under torchrun and ends as the uninterrupted run."""
+    # 20 ms per micro-batch (the numbers are the same): time to stop it mid-run.
+    cfg = _config(tmp_path / "runs", "pair", sleep_s=0.02)
+    command, env = _local_command(cfg, tmp_path)
     run_dir = tmp_path / "runs" / "pair"
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        wait_for_checkpoint_after(run_dir, 0, proc)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "stopped on request (SIGINT)" in output, output
+    stopped_at = newest_step(run_dir)
+    assert 0 < stopped_at < EPOCHS * 50
+
+    code, output = _local_train(cfg, tmp_path, "--nproc", "2")
+    assert code == 0, output
+    assert output.count("resumed from") == 1 and output.count("epoch 2/2: step=100") == 1
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["status"] == "completed"
-    assert output.count("epoch 2/2: step=100") == 1  # rank 0 alone logs
+    segments = [(s["step"], s["world_size"]) for s in summary["world_size_segments"]]
+    assert segments == [(0, 1), (stopped_at, 2)], segments
     # Retention as on Ray (train.keep_checkpoints: 3): the 3 best, the newest among them.
     kept = sorted(p.name for p in (run_dir / "checkpoints" / "pair").iterdir())
     assert len(kept) == 3 and kept[-1].endswith("step000000100"), kept
