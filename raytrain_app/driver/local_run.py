@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from contextlib import nullcontext
 from typing import Any
 
 import ray.train
+import torch.distributed as dist
 from ray.train.torch import TorchTrainer
 
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.driver.signals import stop_on_signals
 from raytrain_app.errors import BadInputError, RunFailedError, first_line
-from raytrain_app.planning.environment import plain_breakpoints
+from raytrain_app.planning.environment import (
+    detect_environment,
+    one_torch_thread_per_process,
+    plain_breakpoints,
+)
 from raytrain_app.storage import StorageLocation
 from raytrain_app.worker.local_mode import Retention, RunStorage, train_worker_local
 from raytrain_app.worker.loop import WorkerTask
@@ -44,8 +48,6 @@ _CHATTY_RAY_LOGGERS = (
 
 def torchrun_rank() -> int | None:
     """This process's rank under torchrun, or None outside torchrun."""
-    from raytrain_app.planning.environment import detect_environment
-
     torchrun = detect_environment().torchrun
     return torchrun.rank if torchrun else None
 
@@ -54,8 +56,6 @@ def local_processes_config(cfg: RaytrainConfig) -> RaytrainConfig:
     """``cfg`` planned for the processes local mode has (torchrun's, else this one): the
     same global batch, re-split; a later run on Ray with ``scaling.num_workers`` as the
     config says resumes it (the worker count may change across a resume)."""
-    from raytrain_app.planning.environment import detect_environment
-
     torchrun = detect_environment().torchrun
     local = cfg.model_copy(deep=True)
     local.scaling.num_workers = torchrun.world_size if torchrun else 1
@@ -101,8 +101,6 @@ def run_local(
 
 def _local_entry(config: dict[str, Any]) -> dict[str, Any]:
     task = config["task"]
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         shared = [task]  # no control under torchrun: nothing unpicklable
         dist.broadcast_object_list(shared, src=0)  # rank 0's task, checked and prepared
@@ -121,9 +119,7 @@ def run_under_torchrun(argv: list[str], nproc: int) -> int:
         ["--standalone", f"--nproc-per-node={nproc}", "-m", "raytrain_app.cli"]
     )
     args.training_script_args = argv
-    # One thread each for torch, as Ray gives its workers (torchrun would set the same,
-    # with a warning).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    one_torch_thread_per_process()
     try:
         run(args)
     except ChildFailedError as exc:

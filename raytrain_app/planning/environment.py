@@ -326,6 +326,13 @@ def plain_breakpoints() -> Iterator[None]:
             os.environ["PYTHONBREAKPOINT"] = hook
 
 
+def one_torch_thread_per_process() -> None:
+    """Processes this one starts (torchrun's) use one thread each for torch, as Ray gives
+    its workers, unless the user set ``OMP_NUM_THREADS`` (torchrun would set the same,
+    with a warning)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def training_worker_env_vars() -> dict[str, str]:
     """Environment variables for Ray Train's worker processes.
 
