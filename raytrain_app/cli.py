@@ -276,9 +276,10 @@ def _format_plan(env, plan) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    # The config first: a bad key fails before Ray and torch are imported (2 s).
+    cfg = load_config(args.config, args.overrides)
     from raytrain_app.driver.ray_connection import connected_plan
 
-    cfg = load_config(args.config, args.overrides)
     env, plan = connected_plan(cfg, args.address)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
@@ -310,9 +311,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise BadInputError("--local runs without a Ray cluster; drop --address (or --local)")
     if args.nproc != 1:
         return _train_under_torchrun(args)
+    cfg = load_config(args.config, args.overrides)  # before the imports, as in plan
     from raytrain_app.driver.training import train
 
-    cfg = load_config(args.config, args.overrides)
     result = train(cfg, address=args.address, progress=not args.no_progress, local=args.local)
     if result is None:  # one of torchrun's other processes: rank 0 reports
         return 0
@@ -346,9 +347,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_tune(args: argparse.Namespace) -> int:
     from raytrain_app.config import BUILTIN_SWEEP
+
+    cfg = load_config(args.config, args.overrides, builtin=BUILTIN_SWEEP)  # as in plan
     from raytrain_app.sweep.tuning import tune_sweep
 
-    cfg = load_config(args.config, args.overrides, builtin=BUILTIN_SWEEP)
     result = tune_sweep(cfg, address=args.address)
     metric = cfg.tune.metric
     print(result.trials.drop(columns=["error"]).to_string(index=False, float_format="%.4g"))

@@ -130,3 +130,18 @@ def test_the_job_client_commands_do_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_bad_config_is_refused_before_torch_or_ray_train_is_imported():
+    """A typo in a key is answered in a fraction of a second, not after 2 s of imports."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from raytrain_app.cli import main; "
+        "codes = [main([c, '--set', 'train.lrr=1']) for c in ('train', 'plan', 'tune')]; "
+        "print(codes, sorted(m for m in ('torch', 'ray.train') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[2, 2, 2] []", result.stdout + result.stderr
