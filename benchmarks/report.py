@@ -12,6 +12,7 @@ _LABELS = {
     "data_wait": "Data wait: share of step time waiting for the batch",
     "tune_overhead": "Tune overhead: sweep wall / (per-trial time x trials / concurrency)",
     "scaling": "Scaling: per-worker efficiency at the most workers",
+    "forecast_quality": "Forecast quality: model MAE / best naive MAE, worst real series",
     "gpu": "GPU: raytrain bf16 / hand-tuned loop; GPU busy share",
 }
 

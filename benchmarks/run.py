@@ -46,6 +46,7 @@ BENCHMARKS = {
     "data_wait": "benchmarks.data_wait",
     "tune_overhead": "benchmarks.tune_overhead",
     "scaling": "benchmarks.scaling",
+    "forecast_quality": "benchmarks.forecast_quality",
     "gpu": "benchmarks.gpu",
 }
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"

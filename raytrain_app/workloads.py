@@ -27,8 +27,9 @@ BUILTIN_DATA = {
     "synthetic_images": "raytrain_app.data.synthetic_images:build",
 }
 _PARQUET_FACTORY = "raytrain_app.data.parquet_windows:build"
-# The synthetic data fixes its columns; only the windowing stays the user's choice.
-_SYNTHETIC_WINDOW_PARAMS = ("context_length", "horizon", "val_fraction", "stride")
+# The synthetic data fixes its columns (and has no gaps); the windowing and the naive
+# baseline's season stay the user's choice.
+_SYNTHETIC_WINDOW_PARAMS = ("context_length", "horizon", "val_fraction", "stride", "season_length")
 
 
 @dataclass(frozen=True)

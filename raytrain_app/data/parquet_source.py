@@ -13,9 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from raytrain_app.data.missing import refuse_missing
 from raytrain_app.errors import BadInputError, first_line
 from raytrain_app.storage import StorageLocation, is_uri
 
@@ -136,22 +138,28 @@ def read_table(files: list[DataFile], columns: list[str]) -> pa.Table:
         ) from None
 
 
-def column_as_float(table: pa.Table, name: str) -> np.ndarray:
-    """One column as float64 numpy, rejecting non-numeric types and missing values."""
+def column_as_float(table: pa.Table, name: str, *, allow_missing: bool = False) -> np.ndarray:
+    """One column as float64 numpy; missing values become NaN.
+
+    Unless ``allow_missing`` (the caller fills them: ``data.params.missing``), missing or
+    non-finite values are refused with their count and the option that fills them.
+    """
     column = table.column(name)
     if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
         raise BadInputError(f"Column {name!r} has type {column.type}; it must be numeric.")
-    values = column.to_numpy(zero_copy_only=False).astype(np.float64)
-    if column.null_count or not np.isfinite(values).all():
-        raise BadInputError(
-            f"Column {name!r} contains missing or non-finite values; clean them first."
-        )
+    values = pc.fill_null(column.cast(pa.float64()), float("nan")).to_numpy()
+    if not allow_missing:
+        refuse_missing(values, name)
     return values
 
 
-def feature_matrix(table: pa.Table, feature_columns: list[str]) -> np.ndarray:
+def feature_matrix(
+    table: pa.Table, feature_columns: list[str], *, allow_missing: bool = False
+) -> np.ndarray:
     """``[rows, len(feature_columns)]`` float64 features; zero columns is allowed."""
     if not feature_columns:
         # The model then sees only the target's own past.
         return np.empty((table.num_rows, 0))
-    return np.stack([column_as_float(table, c) for c in feature_columns], axis=1)
+    return np.stack(
+        [column_as_float(table, c, allow_missing=allow_missing) for c in feature_columns], axis=1
+    )

@@ -12,11 +12,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 # Tests patch ``pq.read_schema`` through this module, as they could before the split.
 import pyarrow.parquet as pq  # noqa: F401
 
+from raytrain_app.data.missing import check_missing_option, fill_missing
 from raytrain_app.data.parquet_source import (
     PathLike,
     check_files,
@@ -60,6 +62,8 @@ WINDOW_PARAMS = (
     "target_column",
     "group_column",
     "time_column",
+    "season_length",
+    "missing",
 )
 
 
@@ -99,6 +103,8 @@ def build_windows(
     horizon: int = 12,
     val_fraction: float = 0.2,
     stride: int = 1,
+    season_length: int = 1,
+    missing: str = "error",
     stats: Mapping[str, Any] | None = None,
 ) -> DataSplits:
     """Build standardised train/val forecasting windows from Parquet time series.
@@ -117,19 +123,25 @@ def build_windows(
         horizon: future timesteps to predict.
         val_fraction: trailing fraction of each series used for validation.
         stride: step between consecutive window starts.
+        season_length: timesteps per season of the seasonal-naive baseline and of MASE's
+            scale (1: persistence, the last value repeated).
+        missing: ``error`` (refuse missing values), ``ffill`` or ``interpolate`` (fill them
+            within each series; see ``raytrain_app.data.missing``).
         stats: normalisation statistics to reuse (a checkpoint's ``data_info``) instead of
             computing them; ``raytrain predict`` uses this for new files.
 
     Returns:
-        ``DataSplits`` whose ``info`` holds sizes, column names and normalisation statistics.
+        ``DataSplits`` whose ``info`` holds sizes, column names, normalisation statistics,
+        ``target_channel`` (the target's channel in ``x``) and ``season_length``.
     """
-    validate_window_settings(context_length, horizon, val_fraction, stride)
+    validate_window_settings(context_length, horizon, val_fraction, stride, season_length)
+    check_missing_option(missing)
     feature_columns, keys = _column_lists(feature_columns, group_column, time_column)
     table = _read_sorted(path, feature_columns, target_column, keys)
-    features = feature_matrix(table, feature_columns)
-    target = column_as_float(table, target_column)
+    bounds = group_bounds(table, group_column)
+    features, target = _filled_columns(table, feature_columns, target_column, bounds, missing)
     window = context_length + horizon
-    train_rows, val_rows = split_rows(group_bounds(table, group_column), window, val_fraction)
+    train_rows, val_rows = split_rows(bounds, window, val_fraction)
     inputs, scaled_target, stats = standardise(features, target, train_rows, stats)
     train, val = (
         make_dataset(inputs, scaled_target, rows, context_length, horizon, stride)
@@ -143,9 +155,28 @@ def build_windows(
         "horizon": int(horizon),
         "feature_columns": feature_columns,
         "target_column": target_column,
+        # The target's own past is x's last channel: per-window scaling reads it there.
+        "target_channel": len(feature_columns),
+        "season_length": int(season_length),
         **stats,
     }
     return DataSplits(train=train, val=val, info=info)
+
+
+def _filled_columns(
+    table: pa.Table,
+    feature_columns: list[str],
+    target_column: str,
+    bounds: list[tuple[int, int]],
+    missing: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Features ``[rows, F]`` and target ``[rows]`` as float64, gaps handled by ``missing``."""
+    allow = missing != "error"
+    features = feature_matrix(table, feature_columns, allow_missing=allow)
+    for k, name in enumerate(feature_columns):
+        features[:, k] = fill_missing(features[:, k], bounds, missing, name)
+    target = column_as_float(table, target_column, allow_missing=allow)
+    return features, fill_missing(target, bounds, missing, target_column)
 
 
 def _build_arguments(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -187,8 +218,13 @@ def check(params: Mapping[str, Any]) -> None:
     """
     args = _build_arguments(params)
     validate_window_settings(
-        args["context_length"], args["horizon"], args["val_fraction"], args["stride"]
+        args["context_length"],
+        args["horizon"],
+        args["val_fraction"],
+        args["stride"],
+        args["season_length"],
     )
+    check_missing_option(args["missing"])
     features, keys = _column_lists(
         args["feature_columns"], args["group_column"], args["time_column"]
     )

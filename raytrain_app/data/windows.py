@@ -71,19 +71,30 @@ class WindowDataset(Dataset):
 
 
 def validate_window_settings(
-    context_length: int, horizon: int, val_fraction: float, stride: int
+    context_length: int,
+    horizon: int,
+    val_fraction: float,
+    stride: int,
+    season_length: int = 1,
 ) -> None:
     """Reject window settings that cannot make windows, naming the data.params key."""
     for key, value in (
         ("context_length", context_length),
         ("horizon", horizon),
         ("stride", stride),
+        ("season_length", season_length),
     ):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise BadInputError(f"data.params.{key} must be an integer >= 1, got {value!r}.")
     if not isinstance(val_fraction, numbers.Real) or not 0.0 < val_fraction < 1.0:
         raise BadInputError(
             f"data.params.val_fraction must be strictly between 0 and 1, got {val_fraction!r}."
+        )
+    if season_length >= context_length:
+        # The seasonal-naive forecast and MASE's in-sample scale look one season back.
+        raise BadInputError(
+            f"data.params.season_length ({season_length}) must be smaller than "
+            f"data.params.context_length ({context_length}); lower the one or raise the other."
         )
 
 

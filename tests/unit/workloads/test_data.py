@@ -149,6 +149,8 @@ def test_window_counts_and_shapes(tmp_path):
     assert x.dtype == torch.float32 and y.dtype == torch.float32
     assert splits.info["num_features"] == 2
     assert splits.info["context_length"] == 3 and splits.info["horizon"] == 2
+    # Where the target's past is in x (per-window scaling reads it) and the naive season.
+    assert splits.info["target_channel"] == 1 and splits.info["season_length"] == 1
     json.dumps(dict(splits.info))
 
 
@@ -261,12 +263,16 @@ def test_series_too_short(tmp_path):
         ({"stride": 0}, "stride"),
         ({"context_length": 2.5}, "context_length"),
         ({"val_fraction": "0.2"}, "val_fraction"),
+        ({"season_length": 0}, "season_length"),
+        ({"season_length": 3}, r"season_length \(3\)"),  # not below context_length
     ],
 )
 def test_invalid_window_params(tmp_path, overrides, key):
     path = _write_series(tmp_path / "s.parquet", {"a": 20})
     with pytest.raises(ValueError, match=f"data.params.{key} must"):
         pw.build_windows(path, **_series_kwargs(**overrides))
+    with pytest.raises(ValueError, match=f"data.params.{key} must"):
+        pw.check({"path": str(path), **_series_kwargs(**overrides)})
 
 
 def test_non_numeric_and_missing_values(tmp_path):
@@ -277,7 +283,9 @@ def test_non_numeric_and_missing_values(tmp_path):
     feat = table.column("feat").to_numpy().copy()
     feat[3] = np.nan
     pq.write_table(table.set_column(2, "feat", pa.array(feat)), path)
-    with pytest.raises(ValueError, match="'feat' contains missing or non-finite values"):
+    with pytest.raises(
+        ValueError, match=r"'feat' has 1 missing or non-finite value\(s\); set data.params.missing"
+    ):
         pw.build_windows(path, **_series_kwargs())
 
 

@@ -110,6 +110,37 @@ def test_spec_functions_pickle():
     spec = wt.build({}, INFO)
     step = pickle.loads(pickle.dumps(spec.step))
     assert step.keywords == {"target_std": INFO["target_std"]}
+    windowed = wt.build({}, {**INFO, "target_channel": 6, "season_length": 24})
+    assert pickle.loads(pickle.dumps(windowed.step)).keywords == {
+        "target_std": INFO["target_std"],
+        "target_channel": 6,
+        "season_length": 24,
+    }
+
+
+def test_scaling_is_window_where_the_data_names_the_target_channel():
+    """Parquet windows name x's target channel: window scaling by default. Data that does not
+    (a user's factory, a checkpoint from before per-window scaling) keeps the global model,
+    whose weights have the original names and shapes."""
+    windowed = wt.build({}, {**INFO, "target_channel": 6})
+    assert windowed.module.scaling == "window" and windowed.module.target_channel == 6
+    assert windowed.module.linear.weight.shape == (12, 48)
+    plain = wt.build({}, INFO)
+    assert plain.module.scaling == "global" and not hasattr(plain.module, "linear")
+    assert wt.build({"scaling": "global"}, {**INFO, "target_channel": 6}).module.scaling == "global"
+
+
+def test_window_scaling_without_a_target_channel_is_bad_input():
+    with pytest.raises(ValueError, match=r"model\.params\.scaling: window needs .*set model"):
+        wt.build({"scaling": "window"}, INFO)
+    with pytest.raises(ValueError, match=r"model\.params\.scaling must be one of window, global"):
+        wt.build({"scaling": "local"}, {**INFO, "target_channel": 6})
+
+
+def test_window_step_reports_skill_metrics():
+    spec = wt.build({}, {**INFO, "target_channel": 6, "season_length": 24})
+    out = spec.step(spec.module.eval(), (torch.randn(6, 48, 7), torch.randn(6, 12)))
+    assert set(out.metrics) == {"mae", "mase", "persistence_mae", "seasonal_naive_mae"}
 
 
 @pytest.mark.usefixtures("one_thread")

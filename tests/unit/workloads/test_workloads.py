@@ -116,13 +116,16 @@ def test_unknown_builtin_data_lists_the_alternatives(tmp_path):
 
 def test_synthetic_data_is_written_once_and_builds_train_and_val(tmp_path):
     data_dir = tmp_path / "data"
-    section = data_section(name="synthetic_wind", params={**SMALL, "stride": 2})
+    section = data_section(
+        name="synthetic_wind", params={**SMALL, "stride": 2, "season_length": 24}
+    )
     ref = prepare_data(section, data_dir, seed=0)
     files = list(data_dir.iterdir())
     assert len(files) == 1 and files[0].suffix == ".parquet"
     assert pq.read_metadata(files[0]).num_rows == 2 * 300
     assert ref.params["path"] == str(files[0])
     assert ref.params["stride"] == 2  # window params reach the windowing
+    assert ref.params["season_length"] == 24
 
     assert prepare_data(section, data_dir, seed=0) == ref  # cached, not regenerated
     assert list(data_dir.iterdir()) == files
@@ -147,6 +150,7 @@ def test_synthetic_data_depends_on_the_seed(tmp_path):
         ({"name": "synthetic_wind", "params": {"num_turbnes": 2}}, "data.params.num_turbnes"),
         ({"name": "synthetic_wind", "params": {"target_column": "x"}}, "data.params.target_column"),
         ({"path": "x.parquet", "params": {"num_turbines": 2}}, "data.params.num_turbines"),
+        ({"name": "synthetic_wind", "params": {"missing": "ffill"}}, "data.params.missing"),
     ],
 )
 def test_unknown_data_params_name_the_key_and_write_nothing(tmp_path, section, key):
