@@ -7,6 +7,10 @@ several small trials onto one GPU). (A TorchTrainer per trial is several times s
 on a small machine and can deadlock on trial resources: benchmarks/README.md.) The best
 trial becomes ``best_config.yaml``, a complete train config that keeps the trial's global
 batch and lr whatever the number of workers it is later trained on.
+
+Trials track like ``raytrain train`` runs (the same trackers, in the loop), each one run
+named after the trial: TensorBoard in ``trials/<id>/tensorboard``, one MLflow experiment
+per sweep (``<sweep dir>/mlruns`` by default) and one W&B group per sweep.
 """
 
 from __future__ import annotations
@@ -56,6 +60,11 @@ from raytrain_app.planning.rules import (
 )
 from raytrain_app.storage import StorageLocation
 from raytrain_app.sweep.search_space import build_search_space, trial_config
+from raytrain_app.tracking.trackers import (
+    SweepTrial,
+    check_tracking_installed,
+    prepare_sweep_tracking,
+)
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
 from raytrain_app.worker.session import TuneTrialSession
 from raytrain_app.workloads import check_sources, model_factory, prepare_data
@@ -65,6 +74,11 @@ logger = logging.getLogger(__name__)
 TRIALS_FILE = "trials.csv"
 BEST_CONFIG_FILE = "best_config.yaml"
 _EXPERIMENT_DIR = "tune"
+# How long a trial that Tune stops may take to close its trackers (and upload their files).
+_CLOSE_TIMEOUT_S = 60
+# Clear while a trial's loop runs in this process (a trial process runs one at a time).
+_LOOP_ENDED = threading.Event()
+_LOOP_ENDED.set()
 
 
 @dataclass
@@ -82,15 +96,8 @@ class TuneResult:
 
 
 def single_worker(cfg: RaytrainConfig) -> RaytrainConfig:
-    """The trial's execution config: one unwrapped worker, the rest as sampled.
-
-    Tune logs every trial itself (TensorBoard, CSV, JSON in its trial folders), so
-    raytrain's own trackers stay off in trials.
-    """
-    no_tracking = {f"tracking.{key}": False for key in ("tensorboard", "mlflow", "wandb")}
-    return config_with_values(
-        cfg, {"scaling.num_workers": 1, "distributed.strategy": "single", **no_tracking}
-    )
+    """The trial's execution config: one unwrapped worker, the rest as sampled."""
+    return config_with_values(cfg, {"scaling.num_workers": 1, "distributed.strategy": "single"})
 
 
 def trial_environment(env: Environment, cfg: RaytrainConfig, use_gpu: bool) -> Environment:
@@ -159,6 +166,7 @@ def run_trial(
     use_gpu: bool,
     run_dir: str,
     storage_env: dict[str, str],
+    mlflow_store: str | None = None,
 ) -> None:
     """The Tune trainable: build the trial's config and plan, run the worker loop.
 
@@ -166,8 +174,12 @@ def run_trial(
     the loop keeps state between trials (threads, seeds and logging are set per trial).
     ``storage_env`` is the driver's AWS_* variables: a trial on a running cluster does not
     see the driver's environment, and reads and writes the run's storage with them.
+    ``mlflow_store``: the MLflow file store the sweep's trials share, if any.
     """
     os.environ.update(storage_env)
+    # A trial that Tune stops at a report closes its trackers (and uploads their files)
+    # before this process may run the next trial; Tune's default wait for that is 2 s.
+    os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", str(_CLOSE_TIMEOUT_S))
     # The previous trial's loop holds reference cycles (its lr schedule refers back to it),
     # so only the collector frees its model, optimizer and data: do it before building more.
     gc.collect()
@@ -176,7 +188,8 @@ def run_trial(
     cfg = single_worker(trial_config(config_from_dict(base), sampled))
     plan = make_plan(cfg, trial_environment(env, cfg, use_gpu))
     run = StorageLocation.parse(run_dir, "experiment.output_dir")
-    trial_dir = run.child("trials", tune.get_context().get_trial_id())
+    trial_id = tune.get_context().get_trial_id()
+    trial_dir = run.child("trials", trial_id)
     task = WorkerTask(
         config=config_to_dict(resolve_config(cfg, plan)),
         plan=plan,
@@ -186,8 +199,38 @@ def run_trial(
         run_dir=trial_dir.uri,
         # Tune's trial table shows progress; per-epoch lines from every trial would bury it.
         log_level=logging.WARNING,
+        # Its trackers' runs: named after the trial, gathered by the sweep. Their ids are
+        # kept in the trial's folder, so a paused or resumed trial continues its own runs.
+        trial=SweepTrial(cfg.experiment.name, trial_id, mlflow_store),
     )
-    WorkerLoop(task, TuneTrialSession(plan.use_gpu)).run()
+    _LOOP_ENDED.clear()
+    try:
+        WorkerLoop(task, TuneTrialSession(plan.use_gpu)).run()
+    finally:
+        _LOOP_ENDED.set()
+
+
+def _trial_trainable(run: Any) -> type:
+    """Tune's trainable class of the function ``run``, whose stop waits for the loop's end.
+
+    Tune stops a trial at a report (ASHA, PBT, the end of the sweep) by ending its thread
+    there without waiting for it, and may then kill the process: W&B's service (a child
+    process) died under a loop still closing its trackers, losing the whole offline run.
+    """
+
+    class Trial(tune.trainable.wrap_function(run)):
+        def cleanup(self) -> None:
+            try:
+                super().cleanup()  # tells the loop's thread to end
+            finally:
+                _wait_for_loop_end()
+
+    return Trial
+
+
+def _wait_for_loop_end() -> None:
+    # A function of this module: the trainable class above travels by value, this by name.
+    _LOOP_ENDED.wait(_CLOSE_TIMEOUT_S)
 
 
 def _scheduler(cfg: RaytrainConfig, space: dict[str, Any]) -> Any:
@@ -242,19 +285,23 @@ def _check_sweep(cfg: RaytrainConfig, env: Environment) -> dict[str, Any]:
 
 def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environment) -> Any:
     use_gpu = choose_use_gpu(cfg, env)
+    local = run_dir.location.is_local
     trainable = tune.with_resources(
-        tune.with_parameters(
-            run_trial,
-            base=config_to_dict(cfg),
-            env=env,
-            use_gpu=use_gpu,
-            run_dir=run_dir.location.uri,
-            storage_env=storage_env_vars(),
+        _trial_trainable(
+            tune.with_parameters(
+                run_trial,
+                base=config_to_dict(cfg),
+                env=env,
+                use_gpu=use_gpu,
+                run_dir=run_dir.location.uri,
+                storage_env=storage_env_vars(),
+                mlflow_store=prepare_sweep_tracking(cfg, run_dir.root if local else None),
+            )
         ),
         trial_resources(cfg, use_gpu),
     )
     # Ray's own storage: a path in the filesystem, and the filesystem unless it is local.
-    filesystem = None if run_dir.location.is_local else run_dir.location.filesystem
+    filesystem = None if local else run_dir.location.filesystem
     path = run_dir.at(_EXPERIMENT_DIR)
     if tune.Tuner.can_restore(path.path, storage_filesystem=filesystem):
         logger.info("resuming the sweep in %s", path)
@@ -363,6 +410,7 @@ def tune_sweep(cfg: RaytrainConfig, *, address: str | None = None) -> TuneResult
         RunFailedError: every trial failed.
     """
     check_sources(cfg.model, cfg.data)  # a wrong target or data path fails before Ray starts
+    check_tracking_installed(cfg)
     env = detect_environment()
     if not (address or env.ray_address or ray.is_initialized()):
         # Ray will run on this machine: check against it first, so bad input fails in a

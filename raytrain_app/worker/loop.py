@@ -30,7 +30,7 @@ from raytrain_app.planning.rules import TrainingPlan, plan_for_world_size
 from raytrain_app.protocol import ModelSpec, check_counts_hook, counted_metrics
 from raytrain_app.tracking.metrics_log import MetricsLog
 from raytrain_app.tracking.run_files import RankZeroFiles
-from raytrain_app.tracking.trackers import Tracker, open_tracker
+from raytrain_app.tracking.trackers import SweepTrial, Tracker, open_tracker
 from raytrain_app.worker.fsdp import equal_forwards
 from raytrain_app.worker.global_metrics import Averages, Counts, EpochProgress, gather
 from raytrain_app.worker.loaders import WorkerLoaders, build_worker_loaders
@@ -71,6 +71,7 @@ class WorkerTask:
     # The driver's RunControl actor (progress in, stop request out), or None without one.
     control: Any = None
     show_progress: bool = False  # rank 0 pushes progress for the driver's bar
+    trial: SweepTrial | None = None  # a Tune trial: its sweep, for the trackers
 
 
 def train_worker(task: WorkerTask) -> dict[str, Any]:
@@ -106,6 +107,9 @@ class WorkerLoop:
             result = self._run()
             failed = False
             return result
+        except SystemExit as exc:  # Tune stopping or pausing a trial at its report: exit(0)
+            failed = exc.code not in (0, None)
+            raise
         finally:
             self.tracker.close(failed=failed)
             if self.loaders is not None:
@@ -124,7 +128,9 @@ class WorkerLoop:
         files = RankZeroFiles(self.task.run_dir, is_rank_zero())
         run_dir = files.local or Path(self.task.run_dir)  # other ranks write nothing there
         metrics_log = MetricsLog(run_dir, self.state.epoch) if is_rank_zero() else None
-        tracker = open_tracker(self.cfg, run_dir, self.state.step, is_rank_zero())
+        tracker = open_tracker(
+            self.cfg, run_dir, self.state.step, is_rank_zero(), trial=self.task.trial
+        )
         self.tracker = files.tracked(tracker)
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             row = self.train_epoch(epoch)

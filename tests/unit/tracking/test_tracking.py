@@ -162,9 +162,10 @@ def test_wandb_logs_offline_into_the_run_directory(tmp_path):
     assert ids["wandb"] in run_file.name  # a resume continues this run id
 
 
+@pytest.mark.parametrize("command", ["train", "tune"])
 @pytest.mark.parametrize("backend", ["mlflow", "wandb"])
 def test_a_backend_that_is_not_installed_fails_before_ray_with_exit_code_2(
-    backend, monkeypatch, capsys
+    backend, command, monkeypatch, capsys
 ):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -173,8 +174,9 @@ def test_a_backend_that_is_not_installed_fails_before_ray_with_exit_code_2(
         lambda name, *a: None if name == backend else real_find_spec(name, *a),
     )
     started = []
-    monkeypatch.setattr("raytrain_app.driver.training.ray_session", lambda *a: started.append(a))
-    assert main(["train", "--set", f"tracking.{backend}=true"]) == 2
+    for module in ("raytrain_app.driver.training", "raytrain_app.sweep.tuning"):
+        monkeypatch.setattr(f"{module}.ray_session", lambda *a: started.append(a))
+    assert main([command, "--set", f"tracking.{backend}=true"]) == 2
     err = capsys.readouterr().err
     assert err == (
         f"error: tracking.{backend}=true needs the {backend} package; install it with pip "
