@@ -92,8 +92,9 @@ def test_a_lost_node_shrinks_the_run_a_new_node_grows_it_and_it_ends_as_if_unint
     cfg = elastic_config(
         tmp_path,
         "elastic",
-        # Slow steps, so the test can act mid-run.
-        model={"params": {"dropout": 0.0, "sleep_s": 0.15}},
+        # Slow steps, so the test can act mid-run: 20 s of 1-worker training for the new
+        # node to join, where it takes under 10.
+        model={"params": {"dropout": 0.0, "sleep_s": 0.1}},
         scaling={"num_workers": [1, 2], "elastic_resize_interval_s": 2},
     )
     elastic.write_text(yaml.safe_dump(cfg))
