@@ -18,13 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from fault_runs import cli_env, fault_config, newest_step, wait_for_checkpoint_after
+from fault_runs import (
+    assert_close_to,
+    cli_env,
+    fault_config,
+    newest_step,
+    wait_for_checkpoint_after,
+)
 from loop_harness import LocalSession, run_loop, worker_task
 
 import raytrain_app as rt
 from raytrain_app.config import config_from_dict
 from raytrain_app.testing.isolation import ray_temp_dir
-from raytrain_app.tracking.metrics_log import read_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -63,15 +68,7 @@ def _local_train(config: dict, tmp_path: Path, *flags: str, stdin: str = "") -> 
 
 
 def _assert_ends_as(run_dir: Path, uninterrupted: tuple[list[dict], dict]) -> None:
-    expected, weights = uninterrupted
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [r["step"] for r in expected] == [50, 100]
-    for row, want in zip(rows, expected, strict=True):
-        for column in ("train_loss", "val_loss", "lr"):
-            assert row[column] == pytest.approx(want[column], rel=1e-5, abs=1e-9), column
-    ours = rt.load_model(run_dir).state_dict()
-    for key, tensor in weights.items():
-        torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-7)
+    assert_close_to(run_dir, *uninterrupted, steps=[50, 100])
 
 
 def test_a_local_run_stops_at_a_breakpoint_and_after_a_crash_resumes_on_ray(

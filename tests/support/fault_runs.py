@@ -85,3 +85,21 @@ def assert_same_as(run_dir: Path, reference: rt.TrainResult) -> None:
     theirs = rt.load_model(reference.run_dir)
     for key, tensor in theirs.state_dict().items():
         assert torch.equal(ours.state_dict()[key], tensor), key
+
+
+def assert_close_to(
+    run_dir: Path, expected: list[dict], weights: dict[str, torch.Tensor], steps: list[int]
+) -> None:
+    """The run's epochs at ``steps`` and its final weights within float rounding of an
+    uninterrupted run's (``expected`` rows, ``weights``): a change of world size sums each
+    step's gradients in another order."""
+    import pytest
+
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [r["step"] for r in expected] == steps
+    for row, want in zip(rows, expected, strict=True):
+        for column in ("train_loss", "val_loss", "lr"):
+            assert row[column] == pytest.approx(want[column], rel=1e-5, abs=1e-9), column
+    ours = rt.load_model(run_dir).state_dict()
+    for key, tensor in weights.items():
+        torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-7)

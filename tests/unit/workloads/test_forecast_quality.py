@@ -18,15 +18,6 @@ from raytrain_app.models import wind_transformer as wt
 SMALL_MODEL = {"d_model": 16, "nhead": 2, "num_layers": 1, "dim_feedforward": 32}
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny ops gain nothing from more threads, and a busy machine makes them much slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _write(path, values: np.ndarray):
     pq.write_table(pa.table({"t": np.arange(len(values)), "value": values}), path)
     return path

@@ -24,15 +24,6 @@ CONFIGS = Path(rt.__file__).parent / "configs"
 SMALL = {"num_train": 64, "num_val": 30, "image_size": 16, "pad": 2}
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny convolutions gain nothing from more threads on a busy machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 # --------------------------------------------------------------------------- data
 
 

@@ -36,16 +36,6 @@ def small_splits(tmp_path_factory):
     )
 
 
-@pytest.fixture
-def one_thread():
-    """Run on one intra-op thread: tiny ops gain little from more, and a busy machine (parallel
-    test runs) makes spinning OpenMP threads many times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _stack(dataset) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole dataset as one batch."""
     return next(iter(DataLoader(dataset, batch_size=len(dataset))))
