@@ -1,12 +1,12 @@
-"""Ctrl-C and SIGKILL to a 2-worker `raytrain train`: it checkpoints and exits 130 (or dies
-at once, its embedded Ray with it), and the same command resumes to the weights of an
-uninterrupted run, bit for bit. While it runs, a second `raytrain train` into the same
+"""Ctrl-C, SIGTERM and SIGKILL to a 2-worker `raytrain train`: it checkpoints and exits 130 /
+75 (or dies at once, its embedded Ray with it), and the same command resumes to the weights
+of an uninterrupted run, bit for bit. While it runs, a second `raytrain train` into the same
 run directory is refused.
 
 The CLI runs as a subprocess in its own session with its own embedded Ray, as a user's
 terminal would run it; Ctrl-C is SIGINT to the whole foreground process group (the driver
-and every Ray process it started), which is what a terminal sends. SIGUSR1 under SLURM
-(the handler SIGTERM shares, exit 75): tests/cluster/test_slurm.py.
+and every Ray process it started), which is what a terminal sends. SIGUSR1 under SLURM:
+tests/cluster/test_slurm.py.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _second_terminal(command: list[str], env: dict):
     return start
 
 
-def test_ctrl_c_and_sigkill_stop_the_run_and_the_same_command_resumes_exactly(
+def test_ctrl_c_sigterm_and_sigkill_stop_the_run_and_the_same_command_resumes_exactly(
     fault_reference, tmp_path
 ):
     # 20 ms per micro-batch (the numbers are the same): time to stop it mid-epoch.
@@ -105,6 +105,15 @@ def test_ctrl_c_and_sigkill_stop_the_run_and_the_same_command_resumes_exactly(
         assert "stopped on request (SIGINT)" in output, output
         stopped_at = newest_step(run_dir)
         assert seen <= stopped_at < EPOCHS * 50, "no checkpoint at the stop"
+
+        # SIGTERM to the driver alone (a scheduler's or `kill`'s) during the resumed run.
+        code, output, seen, _ = _interrupt(
+            command, env, run_dir, lambda proc: proc.send_signal(signal.SIGTERM)
+        )
+        assert code == 75, output
+        assert "resumed from" in output and "stopped on request (SIGTERM)" in output, output
+        assert seen > stopped_at and newest_step(run_dir) < EPOCHS * 50
+        stopped_at = newest_step(run_dir)
 
         # SIGKILL: no clean-up at all; the embedded Ray dies with its driver.
         code, output, seen, _ = _interrupt(
