@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import shlex
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,7 @@ def submit(
     address: str | None = None,
     working_dir: str = ".",
     wait: bool = True,
-    write: Callable[[str], Any] = sys.stdout.write,
+    write: Callable[[str], Any] | None = None,
 ) -> str:
     """Submit ``raytrain <command>`` as a Ray job; return its id.
 
@@ -123,7 +124,7 @@ def submit(
         address: the cluster's dashboard address; defaults to RAY_API_SERVER_ADDRESS or
             RAY_ADDRESS.
         working_dir: uploaded with the job and used as its working directory.
-        wait: stream the job's logs through ``write`` until it ends.
+        wait: stream the job's logs through ``write`` (default: stdout) until it ends.
     """
     command = list(command)
     if not command or command[0] not in SUBMITTABLE:
@@ -155,16 +156,34 @@ def submit(
 
 
 def follow_logs(
-    job_id: str, *, address: str | None = None, write: Callable[[str], Any] = sys.stdout.write
+    job_id: str, *, address: str | None = None, write: Callable[[str], Any] | None = None
 ) -> str:
-    """Stream a job's logs until it ends; return its final status."""
+    """Stream a job's logs until it ends; return its final status.
+
+    The stream runs in a daemon thread while this thread waits, so Ctrl-C reaches the caller
+    at once as KeyboardInterrupt. Streamed in this thread, Ctrl-C would only cancel the
+    stream's asyncio task, and a cancellation swallowed inside the websocket client (seen
+    under load) left ``raytrain submit`` streaming on after Ctrl-C.
+    """
     client = _client(address)
+    failed: list[BaseException] = []
 
     async def tail() -> None:
         async for chunk in client.tail_job_logs(job_id):
-            write(chunk)
+            (write or sys.stdout.write)(chunk)  # stdout as it is now, not at import
 
-    asyncio.run(tail())
+    def stream() -> None:
+        try:
+            asyncio.run(tail())
+        except BaseException as exc:  # re-raised in the caller's thread
+            failed.append(exc)
+
+    streaming = threading.Thread(target=stream, name="raytrain-job-logs", daemon=True)
+    streaming.start()
+    while streaming.is_alive():
+        streaming.join(timeout=0.5)
+    if failed:
+        raise failed[0]
     return job_status(job_id, address=address)
 
 

@@ -12,23 +12,19 @@ as full state dicts gathered from every rank onto rank 0's CPU, so ``load_model`
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule
 
 from raytrain_app.checkpoint import store
+
+# FSDP and torch.distributed.checkpoint are imported where they are used: importing them
+# (with DTensor) takes some 0.7 s of CPU, which every worker and driver process would pay
+# at start, and only an FSDP run uses them.
 
 # Written by rank 0 (DCP's coordinator) last among the DCP files.
 SHARDED_METADATA_FILE = ".metadata"
@@ -36,7 +32,10 @@ SHARDED_METADATA_FILE = ".metadata"
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` (or what torch.compile wraps) is sharded with FSDP2."""
-    return any(isinstance(m, FSDPModule) for m in store.unwrap_model(model).modules())
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:  # never imported in this process: nothing here was sharded
+        return False
+    return any(isinstance(m, fsdp.FSDPModule) for m in store.unwrap_model(model).modules())
 
 
 def has_sharded_state(directory: Path) -> bool:
@@ -50,12 +49,16 @@ def _rank() -> int:
 
 def full_state_dict(module: nn.Module) -> dict[str, Any]:
     """The full state dict on rank 0's CPU (empty elsewhere); every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(store.unwrap_model(module), options=options)
 
 
 def _resumable(model: nn.Module, optimizer: Any, ema: nn.Module | None) -> dict[str, Any]:
     """This rank's shards of the model, optimizer and EMA, keyed by parameter names."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
     model_state, optimizer_state = get_state_dict(store.unwrap_model(model), optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     if ema is not None:
@@ -73,6 +76,8 @@ def save_sharded(
     meta: dict[str, Any],
 ) -> None:
     """Write this rank's part of a checkpoint into ``directory``; every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
     directory.mkdir(parents=True, exist_ok=True)
     dcp.save(_resumable(model, optimizer, ema), checkpoint_id=str(directory))
     model_state = full_state_dict(model)
@@ -97,6 +102,9 @@ def load_sharded(
 ) -> None:
     """Load a sharded checkpoint into ``model``, ``optimizer`` and ``ema`` (sharded or not,
     at any world size); every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
     state = _resumable(model, optimizer, ema)
     saved_ema = ema is not None and _has_key(directory, "ema")
     if ema is not None and not saved_ema:
@@ -117,6 +125,8 @@ def load_sharded(
 
 
 def _has_key(directory: Path, prefix: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+
     metadata = dcp.FileSystemReader(str(directory)).read_metadata()
     return any(key.startswith(prefix + ".") for key in metadata.state_dict_metadata)
 

@@ -145,3 +145,19 @@ def test_a_bad_config_is_refused_before_torch_or_ray_train_is_imported():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[2, 2, 2] []", result.stdout + result.stderr
+
+
+def test_only_an_fsdp_run_imports_fsdp_and_distributed_checkpoint():
+    """FSDP and torch.distributed.checkpoint (with DTensor) take some 0.7 s to import, paid
+    by every worker and driver process at start if the training path imported them."""
+    import subprocess
+    import sys
+
+    heavy = ("torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.tensor")
+    code = (
+        "import sys, raytrain_app.worker.loop, raytrain_app.driver.trainer, raytrain_app.cli; "
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
