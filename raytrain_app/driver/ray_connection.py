@@ -96,7 +96,10 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
 def ray_started_here() -> bool:
     """Whether this process started the Ray it is connected to (``ray.init()`` without an
     address, by raytrain or by the user): that Ray ends with this process."""
-    node = getattr(ray._private.worker, "_global_node", None)  # Ray has no public query
+    # Ray has no public query; a Ray without this internal reads as "not started here",
+    # which costs only the actors an embedded Ray could do without (driver.trainer).
+    worker = getattr(getattr(ray, "_private", None), "worker", None)
+    node = getattr(worker, "_global_node", None)
     return bool(node is not None and node.head)
 
 

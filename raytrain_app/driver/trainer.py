@@ -12,8 +12,9 @@ itself or cannot use.
 
 Each is one more process that starts and imports Ray before the first step, and two of
 them kept polling during training (benchmarks/README.md has the cost). These are Ray
-Train V2 internals of the pinned Ray (2.60); tests/distributed checks the
-trainer still runs, restarts and stops with them left out.
+Train V2 internals (``ray_internals``): on a Ray without one, raytrain keeps Ray's default
+there; tests/distributed checks the trainer still runs, restarts and stops with them
+left out.
 
 An elastic run (``scaling.num_workers: [min, max]``) also decides each size on the
 cluster's current nodes rather than on a view up to 20 s old (tests/cluster/test_elastic.py).
@@ -26,17 +27,10 @@ from typing import Any
 
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
-from ray.train.v2._internal import constants as train_constants
-from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-from ray.train.v2._internal.callbacks.placement_group_callback import (
-    PlacementGroupCleanerCallback,
-)
-from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
-from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
-from ray.train.v2._internal.util import time_monotonic
 
 from raytrain_app.checkpoint.ranking import checkpoint_retention
 from raytrain_app.config import RaytrainConfig
+from raytrain_app.driver import ray_internals as internals
 from raytrain_app.driver.run_control import DriverControl
 from raytrain_app.driver.signals import stop_on_signals
 from raytrain_app.planning.environment import storage_env_vars, training_worker_env_vars
@@ -63,34 +57,49 @@ class RaytrainTorchTrainer(TorchTrainer):
 
     def _create_default_callbacks(self) -> list:
         unused: tuple[type, ...] = ()
-        if not self.datasets:
-            unused += (DatasetsCallback,)
-        if self._embedded_ray:
-            unused += (PlacementGroupCleanerCallback,)
+        if not self.datasets and internals.DatasetsCallback is not None:
+            unused += (internals.DatasetsCallback,)
+        if self._embedded_ray and internals.PlacementGroupCleanerCallback is not None:
+            unused += (internals.PlacementGroupCleanerCallback,)
         return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]
 
     def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
-        policy = controller_init_kwargs.get("scaling_policy")
-        if self._embedded_ray and type(policy) is FixedScalingPolicy:
+        policy = type(controller_init_kwargs.get("scaling_policy"))
+        if self._embedded_ray and _is(policy, internals.FixedScalingPolicy):
             controller_init_kwargs["scaling_policy"] = _FixedScalingWithoutAutoscaler(
                 self.scaling_config
             )
-        if type(policy) is ElasticScalingPolicy:
+        if _is(policy, internals.ElasticScalingPolicy):
             controller_init_kwargs["scaling_policy"] = _ElasticScalingOnCurrentNodes(
                 self.scaling_config
             )
         # The controller reads and writes the run's storage too (Ray's validation file, its
         # checkpoint bookkeeping): it gets the driver's AWS_* variables the way Ray Train
         # passes its own settings to it (the workers get them in worker_runtime_env).
-        added = set(storage_env_vars()) - train_constants.ENV_VARS_TO_PROPAGATE
-        train_constants.ENV_VARS_TO_PROPAGATE.update(added)
+        propagated = getattr(internals.train_constants, "ENV_VARS_TO_PROPAGATE", None)
+        added = set(storage_env_vars()) - propagated if isinstance(propagated, set) else set()
+        if added:
+            propagated.update(added)
         try:
             return super()._initialize_and_run_controller(**controller_init_kwargs)
         finally:
-            train_constants.ENV_VARS_TO_PROPAGATE.difference_update(added)
+            if added:
+                propagated.difference_update(added)
 
 
-class _FixedScalingWithoutAutoscaler(FixedScalingPolicy):
+def _is(policy: type, ray_policy: type | None) -> bool:
+    """Whether ``policy`` is exactly Ray's ``ray_policy`` (never a subclass a user passed),
+    where this Ray has that policy."""
+    return ray_policy is not None and policy is ray_policy
+
+
+# Subclasses of Ray's policies where this Ray has them; a stand-in base elsewhere keeps the
+# module importable (the classes are then never used: see _initialize_and_run_controller).
+_FixedBase: type = internals.FixedScalingPolicy or object
+_ElasticBase: type = internals.ElasticScalingPolicy or object
+
+
+class _FixedScalingWithoutAutoscaler(_FixedBase):
     """Ray's fixed-size policy minus the resource requests to an autoscaler that an
     embedded Ray does not have (each would start Ray Data's coordinator actor)."""
 
@@ -104,7 +113,7 @@ class _FixedScalingWithoutAutoscaler(FixedScalingPolicy):
         return None
 
 
-class _ElasticScalingOnCurrentNodes(ElasticScalingPolicy):
+class _ElasticScalingOnCurrentNodes(_ElasticBase):
     """Ray's elastic policy, deciding on the cluster as it is now.
 
     Ray's autoscaling coordinator refreshes its view of the nodes every 20 s. Without a
@@ -116,11 +125,11 @@ class _ElasticScalingOnCurrentNodes(ElasticScalingPolicy):
     """
 
     def _get_reserved_resources(self) -> Any:
-        since = time_monotonic() - self._latest_reserved_resources_query_time
-        if since >= self.GET_RESERVED_RESOURCES_INTERVAL_S:
-            # A failure here costs only the fresh view: Ray's own query below still runs
-            # (and logs its failure if the coordinator is unreachable).
-            with contextlib.suppress(Exception):
+        # A failure here (an unreachable coordinator, or a Ray whose policy has other
+        # internals) costs only the fresh view: Ray's own query below still runs.
+        with contextlib.suppress(Exception):
+            since = internals.time_monotonic() - self._latest_reserved_resources_query_time
+            if since >= self.GET_RESERVED_RESOURCES_INTERVAL_S:
                 ray.get(
                     self._autoscaling_coordinator.get_reserved_resources.remote(
                         self._requester_id, recompute=True

@@ -106,6 +106,11 @@ class Environment:
         return replace(self, resources=resources, gpu=gpu or self.gpu)
 
 
+# Ray's setting for its worker processes' nice value, as an environment variable (Ray's
+# own lower-case name: ray._private.ray_constants.RAY_WORKER_NICENESS).
+_RAY_WORKER_NICENESS = "RAY_worker_niceness"
+
+
 def _int_or_none(value: str | None) -> int | None:
     try:
         return int(value) if value else None
@@ -341,9 +346,7 @@ def training_worker_env_vars() -> dict[str, str]:
     torchrun's do (lock-step workers otherwise lose their slices to Ray's daemons; see
     benchmarks/README.md). ``RAY_worker_niceness`` set by the user wins.
     """
-    from ray._private.ray_constants import RAY_WORKER_NICENESS  # Ray's own (lower-case) name
-
-    return {RAY_WORKER_NICENESS: os.environ.get(RAY_WORKER_NICENESS, "0")}
+    return {_RAY_WORKER_NICENESS: os.environ.get(_RAY_WORKER_NICENESS, "0")}
 
 
 def storage_env_vars() -> dict[str, str]:

@@ -1,7 +1,9 @@
 """The TorchTrainer raytrain runs: what it leaves out of Ray's, and only that.
 
-These hooks are Ray Train V2 internals; a Ray upgrade that renames one would silently bring
-back what it removes, so the names are pinned here. tests/distributed runs the trainer.
+These hooks are Ray Train V2 internals (``driver/ray_internals.py``); a Ray that renames one
+would silently bring back what it removes, so the names are pinned here, on every Ray that
+CI installs (the newest and the oldest of the declared range). On a Ray without them the
+trainer keeps Ray's defaults and runs. tests/distributed runs the trainer.
 """
 
 from __future__ import annotations
@@ -12,13 +14,27 @@ import pytest
 import ray
 import ray.train
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-from ray.train.v2._internal.callbacks.placement_group_callback import (
+
+from raytrain_app.driver import ray_internals
+from raytrain_app.driver.ray_internals import (
+    DatasetsCallback,
+    ElasticScalingPolicy,
+    FixedScalingPolicy,
     PlacementGroupCleanerCallback,
 )
-from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+from raytrain_app.driver.trainer import (
+    RaytrainTorchTrainer,
+    _ElasticScalingOnCurrentNodes,
+    _FixedScalingWithoutAutoscaler,
+)
 
-from raytrain_app.driver.trainer import RaytrainTorchTrainer, _FixedScalingWithoutAutoscaler
+INTERNALS = (
+    "train_constants",
+    "DatasetsCallback",
+    "PlacementGroupCleanerCallback",
+    "FixedScalingPolicy",
+    "ElasticScalingPolicy",
+)
 
 
 def _noop(config):
@@ -36,6 +52,14 @@ def _trainer(embedded_ray: bool, **kwargs) -> RaytrainTorchTrainer:
 
 def _callback_types(trainer: TorchTrainer) -> set[type]:
     return {type(cb) for cb in trainer._create_default_callbacks()}
+
+
+def test_every_internal_raytrain_uses_is_in_this_ray():
+    for name in INTERNALS:
+        assert getattr(ray_internals, name) is not None, f"this Ray has no {name}"
+    assert isinstance(ray_internals.train_constants.ENV_VARS_TO_PROPAGATE, set)
+    for hook in ("_get_reserved_resources", "GET_RESERVED_RESOURCES_INTERVAL_S"):
+        assert hasattr(ElasticScalingPolicy, hook), hook
 
 
 def test_rays_own_ctrl_c_handler_is_replaced():
@@ -90,3 +114,58 @@ def test_only_a_head_this_process_started_counts_as_started_here(monkeypatch, no
     # Independent of any Ray an earlier test left running in this process.
     monkeypatch.setattr(ray._private.worker, "_global_node", node)
     assert ray_started_here() is started_here
+
+
+class _Captured(Exception):
+    """Raised by the stand-in for Ray's controller start, carrying what it was given."""
+
+
+@pytest.fixture
+def controller_start(monkeypatch):
+    """Ray's controller start replaced by one that records its arguments and the variables
+    the controller would get, instead of running anything."""
+
+    def start(self, **kwargs):
+        propagated = getattr(ray_internals.train_constants, "ENV_VARS_TO_PROPAGATE", set())
+        raise _Captured(kwargs, set(propagated))
+
+    monkeypatch.setattr(TorchTrainer, "_initialize_and_run_controller", start)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://s3.example:9000")
+
+
+def _started_with(trainer: RaytrainTorchTrainer, policy) -> tuple[object, set[str]]:
+    with pytest.raises(_Captured) as captured:
+        trainer._initialize_and_run_controller(scaling_policy=policy)
+    kwargs, propagated = captured.value.args
+    return kwargs["scaling_policy"], propagated
+
+
+def test_the_controller_gets_raytrains_policies_and_the_storage_variables(controller_start):
+    fixed = FixedScalingPolicy(ray.train.ScalingConfig(num_workers=2))
+    policy, propagated = _started_with(_trainer(embedded_ray=True), fixed)
+    assert type(policy) is _FixedScalingWithoutAutoscaler and "AWS_ENDPOINT_URL" in propagated
+    elastic = ElasticScalingPolicy(ray.train.ScalingConfig(num_workers=(1, 2)))
+    policy, _ = _started_with(_trainer(embedded_ray=False), elastic)
+    assert type(policy) is _ElasticScalingOnCurrentNodes
+    # Lent for the start only: Ray's own set is as it was.
+    assert "AWS_ENDPOINT_URL" not in ray_internals.train_constants.ENV_VARS_TO_PROPAGATE
+
+
+def test_on_a_ray_without_the_internals_the_trainer_keeps_rays_defaults(
+    monkeypatch, controller_start
+):
+    """What a Ray that moved every internal raytrain uses gets: Ray's own callbacks and
+    policies, passed through untouched; the trainer is built and started all the same."""
+    fixed = FixedScalingPolicy(ray.train.ScalingConfig(num_workers=2))
+    defaults = _callback_types(TorchTrainer(_noop, scaling_config=ray.train.ScalingConfig()))
+    for name in INTERNALS:
+        monkeypatch.setattr(ray_internals, name, None)
+    trainer = _trainer(embedded_ray=True)
+    assert _callback_types(trainer) == defaults
+    policy, propagated = _started_with(trainer, fixed)
+    assert policy is fixed and propagated == set()
+
+
+def test_a_missing_internal_module_reads_as_none():
+    assert ray_internals._optional("ray.train.v2._internal.no_such_module") is None
+    assert ray_internals._optional("ray.train.v2._internal.constants", "NO_SUCH_NAME") is None
