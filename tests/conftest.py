@@ -4,6 +4,7 @@ real Ray and one uninterrupted reference run per session, for the tiers that nee
 from __future__ import annotations
 
 import logging
+import signal
 
 import pytest
 from fault_runs import fault_config
@@ -11,6 +12,16 @@ from ray_sessions import session_ray
 
 import raytrain_app as rt
 from raytrain_app.testing.isolation import private_home
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_as_in_a_terminal():
+    """Ctrl-C handled as in a terminal's foreground job, in this process and every command
+    the tests start. A shell starts a background job (`bash .ci/run &`) with SIGINT
+    ignored, and children inherit that: the tests that send SIGINT would wait forever."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)

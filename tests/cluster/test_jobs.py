@@ -71,6 +71,7 @@ def submitted_id(output: str) -> str:
     return match.group(0)
 
 
+@pytest.mark.compat
 def test_a_train_job_succeeds_and_leaves_its_run_directory_in_a_bucket(ray_head, project, tmp_path):
     """The run directory in an object store: the job reaches it with the AWS_* variables
     of the machine it was submitted from."""

@@ -45,6 +45,7 @@ def runs(ray_cluster, tmp_path_factory):
     }
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("workers", [1, 2])
 def test_loss_falls_and_the_forecast_beats_persistence(runs, workers):
     metrics = runs[workers].metrics

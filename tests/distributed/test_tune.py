@@ -80,6 +80,7 @@ def test_each_trial_keeps_its_metrics_history(asha_sweep):
         assert len(rows.splitlines()) == epochs + 1
 
 
+@pytest.mark.compat
 def test_best_config_trains_distributed_with_the_trials_batch(asha_sweep, capsys):
     best = asha_sweep.best_config
     assert best.train.lr == 3.0e-3  # the good lr wins

@@ -38,9 +38,8 @@ def stuck_stream(monkeypatch):
     client.released.set()
 
 
-def test_ctrl_c_stops_watching_a_job_whose_log_stream_ignores_cancellation(
-    stuck_stream, capsys
-):
+def test_ctrl_c_stops_watching_a_job_whose_log_stream_ignores_cancellation(stuck_stream, capsys):
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # tests/conftest.py
     timer = threading.Timer(0.5, signal.raise_signal, args=(signal.SIGINT,))
     started = time.monotonic()
     timer.start()
