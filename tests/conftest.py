@@ -54,5 +54,8 @@ def ray_cluster():
 def fault_reference(ray_cluster, tmp_path_factory):
     """The uninterrupted 4-epoch ``faults`` run that every interrupted run (a killed worker
     or driver, a stop signal, a preempted SLURM job) is compared with, bit for bit:
-    trained once per session."""
-    return rt.train(fault_config(tmp_path_factory.mktemp("ref"), "straight"), progress=False)
+    trained once per session. Rank 0 records its DDP communication hooks and its nice value
+    in ``hooks.json`` beside the run directory (test_faults reads them)."""
+    out = tmp_path_factory.mktemp("ref")
+    cfg = fault_config(out, "straight", record_comm_hooks=str(out / "hooks.json"))
+    return rt.train(cfg, progress=False)
