@@ -77,8 +77,10 @@ def _second_terminal(command: list[str], env: dict):
 def test_ctrl_c_sigterm_and_sigkill_stop_the_run_and_the_same_command_resumes_exactly(
     fault_reference, tmp_path
 ):
-    # 20 ms per micro-batch (the numbers are the same): time to stop it mid-epoch.
-    cfg = fault_config(tmp_path, "signalled", epochs=EPOCHS, sleep_s=0.02)
+    # 50 ms per micro-batch (the numbers are the same), 10 s of training in all: each of the
+    # three stops lands mid-run even when a busy machine is slow to deliver it (at 20 ms,
+    # once, the run reached its last step before the SIGKILL, and nothing was left to resume).
+    cfg = fault_config(tmp_path, "signalled", epochs=EPOCHS, sleep_s=0.05)
     config_file = tmp_path / "signalled.yaml"
     config_file.write_text(yaml.safe_dump(cfg))
     # With progress on, as a user runs it; its output is a pipe, as a log file is.
@@ -121,6 +123,7 @@ def test_ctrl_c_sigterm_and_sigkill_stop_the_run_and_the_same_command_resumes_ex
         )
         assert code == -signal.SIGKILL, output
         assert "resumed from" in output and seen > stopped_at, output
+        assert newest_step(run_dir) < EPOCHS * 50, "the run ended before its SIGKILL"
         # The processes of the CLI's embedded Ray name its temp dir.
         assert not wait_until_gone(ray_tmp, timeout_s=60), "Ray outlived its SIGKILLed driver"
 
