@@ -23,7 +23,11 @@ from raytrain_app.testing.isolation import isolated_env, ray_temp_dir
 from raytrain_app.testing.ports import free_ports
 from raytrain_app.testing.processes import descendants, pids_naming, stop_processes_naming
 
-START_TIMEOUT_S = 120.0  # ``ray start --head`` itself
+START_TIMEOUT_S = 180.0  # ``ray start --head`` itself, dashboard modules included
+# Ray's dashboard starts each of its nine modules in a subprocess and gives up after 30 s
+# (RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT). On a loaded machine, such as CI's
+# compatibility tier at nice 19 beside the main suite, importing them took longer.
+DASHBOARD_MODULE_TIMEOUT_S = 120.0
 JOB_SERVER_TIMEOUT_S = 60.0  # then until the dashboard's job API answers
 
 
@@ -82,7 +86,11 @@ def start_head(
     # ray start --head turns token auth on when a token exists; the job server then refuses
     # requests without it. Jobs run `raytrain` on the head: isolated_env puts this venv's
     # scripts first on its PATH.
-    head_vars = {"RAY_AUTH_TOKEN": token, "RAY_AUTH_MODE": "token"}
+    head_vars = {
+        "RAY_AUTH_TOKEN": token,
+        "RAY_AUTH_MODE": "token",
+        "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": str(DASHBOARD_MODULE_TIMEOUT_S),
+    }
     if pythonpath:
         head_vars["PYTHONPATH"] = pythonpath
     if node_death_s is not None:  # read by the GCS, which ray start launches

@@ -30,7 +30,7 @@ STEPS = 200  # 4 epochs of 50 optimizer steps (fault_config)
 # Ray Train waits this long for a worker group it cannot place before it decides again
 # (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, 60 s by default). Right after a node is lost
 # Ray may still count it, and the first restart waits for its worker in vain.
-START_TIMEOUT_S = "10"
+START_TIMEOUT_S = "3"
 
 
 @pytest.fixture(scope="module")
