@@ -20,15 +20,17 @@ KILL_WAIT_S = 5.0  # how long SIGKILLed processes may take to disappear from /pr
 _POLL_S = 0.2
 
 
-def pids_naming(marker: str) -> list[int]:
-    """PIDs of the processes, other than this one, whose command line contains ``marker``."""
-    needle = marker.encode()
+def pids_naming(*markers: str) -> list[int]:
+    """PIDs of the processes, other than this one, whose command line contains every one
+    of ``markers`` (arguments are NUL-separated there: "\\0" ends one)."""
+    needles = [marker.encode() for marker in markers]
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if needle in (entry / "cmdline").read_bytes():
+            cmdline = (entry / "cmdline").read_bytes()
+            if all(needle in cmdline for needle in needles):
                 found.append(int(entry.name))
         except OSError:  # it exited while we looked
             continue
@@ -56,19 +58,19 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def wait_until_gone(marker: str, timeout_s: float) -> list[int]:
-    """Wait up to ``timeout_s`` for every process naming ``marker`` to exit; those left."""
+def wait_until_gone(*markers: str, timeout_s: float) -> list[int]:
+    """Wait up to ``timeout_s`` for every process naming ``markers`` to exit; those left."""
     deadline = time.monotonic() + timeout_s
-    while (left := pids_naming(marker)) and time.monotonic() < deadline:
+    while (left := pids_naming(*markers)) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
     return left
 
 
-def stop_processes_naming(marker: str) -> None:
-    """SIGTERM every process naming ``marker``, then SIGKILL those left after a grace."""
+def stop_processes_naming(*markers: str) -> None:
+    """SIGTERM every process naming all ``markers``, then SIGKILL those left after a grace."""
     for sig, wait_s in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
-        for pid in pids_naming(marker):
+        for pid in pids_naming(*markers):
             with contextlib.suppress(ProcessLookupError):  # it may have exited already
                 os.kill(pid, sig)
-        if not wait_until_gone(marker, wait_s):
+        if not wait_until_gone(*markers, timeout_s=wait_s):
             return

@@ -38,8 +38,11 @@ class RayHead:
     gcs_address: str  # 127.0.0.1:PORT, for ``ray.init`` and ``raytrain train --address``
     dashboard_url: str  # http://127.0.0.1:PORT, for the job API
     token: str
-    temp_dir: str  # Ray's temp dir; every process of the head names it
+    temp_dir: str  # Ray's temp dir; every process of the head names it but one (below)
     home: Path  # the HOMEs of the head ("head") and of its clients ("client")
+    # The Ray Client server, the one process that does not name the temp dir. Its own free
+    # port: Ray's default, 10001, would be shared by every head on the machine.
+    client_server_port: int
 
     def client_env(self, with_token: bool = True, **set_vars: str) -> dict[str, str]:
         """Environment of a client process: its own HOME and the head's token (or none)."""
@@ -47,10 +50,18 @@ class RayHead:
             set_vars = {"RAY_AUTH_TOKEN": self.token, "RAY_AUTH_MODE": "token", **set_vars}
         return isolated_env(self.home / "client", **set_vars)
 
+    def processes(self) -> list[int]:
+        """PIDs of this head's processes."""
+        return pids_naming(self.temp_dir) + pids_naming(*self._client_server_markers())
+
     def stop(self) -> None:
         """Stop every process of this head and delete its temp dir."""
         stop_processes_naming(self.temp_dir)
+        stop_processes_naming(*self._client_server_markers())
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _client_server_markers(self) -> tuple[str, str]:
+        return "ray.util.client.server", f"--port={self.client_server_port}\0"
 
 
 def start_head(
@@ -73,8 +84,8 @@ def start_head(
         node_death_s: about how long the head takes to declare a silent node dead (Ray's
             default is some 15-30 s of missed health checks); None keeps Ray's.
     """
-    ports = free_ports(8)
-    gcs, dashboard = ports[:2]
+    ports = free_ports(9)
+    gcs, dashboard, client_server = ports[:3]
     token = secrets.token_hex(16)
     head = RayHead(
         gcs_address=f"127.0.0.1:{gcs}",
@@ -82,6 +93,7 @@ def start_head(
         token=token,
         temp_dir=temp_dir or ray_temp_dir("rt-head-"),
         home=root / "home",
+        client_server_port=client_server,
     )
     # ray start --head turns token auth on when a token exists; the job server then refuses
     # requests without it. Jobs run `raytrain` on the head: isolated_env puts this venv's
@@ -121,9 +133,17 @@ def start_head(
 
 
 def _start_command(ports: list[int], num_cpus: int, temp_dir: str) -> list[str]:
-    gcs, dashboard, node_manager, object_manager, agent_listen, agent_grpc, runtime_env, metrics = (
-        ports
-    )
+    (
+        gcs,
+        dashboard,
+        client_server,
+        node_manager,
+        object_manager,
+        agent_listen,
+        agent_grpc,
+        runtime_env,
+        metrics,
+    ) = ports
     return [
         str(Path(sys.executable).parent / "ray"),
         "start",
@@ -135,6 +155,7 @@ def _start_command(ports: list[int], num_cpus: int, temp_dir: str) -> list[str]:
         "--include-dashboard=true",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dashboard}",
+        f"--ray-client-server-port={client_server}",
         f"--node-manager-port={node_manager}",
         f"--object-manager-port={object_manager}",
         f"--dashboard-agent-listen-port={agent_listen}",

@@ -16,6 +16,7 @@ def ray_head(tmp_path_factory) -> RayHead:
     head = start_head(tmp_path_factory.mktemp("head"))
     yield head
     head.stop()
+    assert not head.processes(), "processes of the test's Ray head outlived its stop()"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -16,6 +16,7 @@ import yaml
 from paths import EXAMPLES
 
 from raytrain_app.storage import StorageLocation
+from raytrain_app.testing.processes import pids_naming
 from raytrain_app.testing.s3_server import s3_for_this_process
 
 pytestmark = pytest.mark.cluster
@@ -167,6 +168,14 @@ def test_the_head_refuses_a_job_submission_without_the_token(ray_head):
     after = json.loads(listed)
     assert len(after) == len(before)
     assert not any(j.get("entrypoint") == job["entrypoint"] for j in after)
+
+
+def test_the_head_keeps_to_its_own_ports_and_its_client_server_is_found_by_them(ray_head):
+    """Ray's default Ray Client port (10001) would be shared by every head on the machine;
+    that process is also the one that does not name the head's temp dir (stop() finds it by
+    its port, and the fixture checks nothing of the head outlives stop())."""
+    client = pids_naming("ray.util.client.server", f"--port={ray_head.client_server_port}\0")
+    assert len(client) == 1 and client[0] in ray_head.processes()
 
 
 def test_an_unknown_job_id_is_a_clear_error(ray_head, project):

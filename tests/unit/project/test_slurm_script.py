@@ -111,3 +111,30 @@ def test_the_dashboard_binds_to_localhost_unless_the_user_opts_in(tmp_path):
     assert re.search(r"dashboard 127\.0\.0\.1:\d+", output)  # where to point an SSH tunnel
     output, args, _ = run_script(tmp_path, RAYTRAIN_DASHBOARD_HOST="0.0.0.0")
     assert "--dashboard-host=0.0.0.0" in args and "--dashboard-host=127.0.0.1" not in args
+
+
+def test_every_ray_port_comes_from_the_jobs_own_block(tmp_path):
+    """Two jobs on one node never share a port: each of Ray's listening ports is set, none
+    left at Ray's fixed defaults (GCS 6379, dashboard 8265, Ray Client 10001), and all lie
+    in the job's block of 128."""
+    _, args, _ = run_script(tmp_path)
+    base = 20000 + (1234 % 300) * 128  # RAY_PORT_BASE + (job id % RAY_PORT_SLOTS) * 128
+    ports = {m[1]: int(m[2]) for arg in args if (m := re.fullmatch(r"--([a-z-]+port)=(\d+)", arg))}
+    assert set(ports) == {
+        "node-manager-port",
+        "object-manager-port",
+        "dashboard-port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "runtime-env-agent-port",
+        "metrics-export-port",
+        "ray-client-server-port",
+        "min-worker-port",
+        "max-worker-port",
+    }
+    gcs = int(args[args.index("--address") + 1].rsplit(":", 1)[1])
+    singles = [gcs] + [port for name, port in ports.items() if "worker-port" not in name]
+    assert len(set(singles)) == len(singles)
+    workers = range(ports["min-worker-port"], ports["max-worker-port"] + 1)
+    assert not any(port in workers for port in singles)
+    assert all(base <= port < base + 128 for port in [*singles, *workers])

@@ -22,11 +22,17 @@ def test_a_process_is_found_by_its_marker_and_stopped_even_when_it_ignores_sigte
     ignores_term = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
     ignores_term += "print('ready', flush=True); time.sleep(120)"
     with subprocess.Popen(
-        [sys.executable, "-c", ignores_term, marker], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", ignores_term, marker, "--port=1234"],
+        stdout=subprocess.PIPE,
+        text=True,
     ) as proc:
         assert proc.stdout.readline() == "ready\n"
         assert pids_naming(marker) == [proc.pid]
-        stop_processes_naming(marker)
+        # Every marker must be there; "\0" ends an argument, so 123 is not 1234.
+        assert pids_naming(marker, "--port=1234\0") == [proc.pid]
+        assert pids_naming(marker, "--port=123\0") == []
+        assert pids_naming(marker, "rt-other-marker") == []
+        stop_processes_naming(marker, "--port=1234\0")
         assert proc.wait(timeout=10) == -9
     assert pids_naming(marker) == []
 
