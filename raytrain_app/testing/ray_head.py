@@ -26,7 +26,7 @@ from raytrain_app.testing.processes import descendants, pids_naming, stop_proces
 START_TIMEOUT_S = 180.0  # ``ray start --head`` itself, dashboard modules included
 # Ray's dashboard starts each of its nine modules in a subprocess and gives up after 30 s
 # (RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT). On a loaded machine, such as CI's
-# compatibility tier at nice 19 beside the main suite, importing them took longer.
+# compatibility tier in the background beside the main suite, importing them took longer.
 DASHBOARD_MODULE_TIMEOUT_S = 120.0
 JOB_SERVER_TIMEOUT_S = 60.0  # then until the dashboard's job API answers
 

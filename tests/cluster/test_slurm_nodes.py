@@ -184,10 +184,11 @@ def test_two_nodes_train_one_worker_each_into_the_bucket_and_finish_on_one_when_
     env = {
         **s3.env(),
         # A lost node is declared dead in ~2 s (Ray's default is some 15-30 s), and a
-        # worker group Ray cannot place is given up after 10 s instead of 60.
+        # worker group Ray cannot place is given up after 3 s instead of 60 (Ray Train then
+        # decides the size again, from the nodes alive).
         "RAY_health_check_period_ms": "500",
         "RAY_health_check_failure_threshold": "3",
-        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "3",
     }
     submitted = cluster.run(
         ["sbatch", "--parsable", *TWO_NODES, str(SCRIPT), "--config", str(config)],
