@@ -19,12 +19,11 @@ def ray_head(tmp_path_factory) -> RayHead:
     assert not head.processes(), "processes of the test's Ray head outlived its stop()"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def tell_ci_the_cluster_tier_started():
-    """Creates the file named by RAYTRAIN_CI_CLUSTER_TIER_STARTED, if set, when the first
-    cluster test starts: .ci/run starts the compatibility tier's tests then, while the
-    cluster tier's SLURM and Ray start-ups leave the CPU idle half the time."""
-    marker = os.environ.get("RAYTRAIN_CI_CLUSTER_TIER_STARTED")
-    if marker:
+@pytest.fixture(autouse=True)
+def tell_ci_the_slurm_tests_started(request):
+    """Creates the file named by RAYTRAIN_CI_SLURM_TESTS_STARTED, if set, when the first
+    SLURM test starts: .ci/run starts the compatibility tier's tests then, while the SLURM
+    jobs wait on SLURM's scheduler and Ray's start-ups and leave the CPU idle."""
+    marker = os.environ.get("RAYTRAIN_CI_SLURM_TESTS_STARTED")
+    if marker and request.path.name.startswith("test_slurm"):
         Path(marker).touch()
-    yield
