@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from raytrain_app.testing.ray_head import RayHead, start_head
@@ -17,13 +14,3 @@ def ray_head(tmp_path_factory) -> RayHead:
     yield head
     head.stop()
     assert not head.processes(), "processes of the test's Ray head outlived its stop()"
-
-
-@pytest.fixture(autouse=True)
-def tell_ci_the_slurm_tests_started(request):
-    """Creates the file named by RAYTRAIN_CI_SLURM_TESTS_STARTED, if set, when the first
-    SLURM test starts: .ci/run starts the compatibility tier's tests then, while the SLURM
-    jobs wait on SLURM's scheduler and Ray's start-ups and leave the CPU idle."""
-    marker = os.environ.get("RAYTRAIN_CI_SLURM_TESTS_STARTED")
-    if marker and request.path.name.startswith("test_slurm"):
-        Path(marker).touch()
