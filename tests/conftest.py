@@ -13,6 +13,31 @@ from ray_sessions import session_ray
 import raytrain_app as rt
 from raytrain_app.testing.isolation import private_home
 
+# Under `pytest -n N` (pytest-xdist, the README's command), each of these tiers runs in one
+# process: the distributed tier shares its session Ray and reference run, the cluster tier
+# runs one private SLURM network at a time, the GPU tier owns the GPUs. Side by side, one
+# tier's start-ups, polls and timeouts leave the CPU to the other's training; the unit
+# tests, one by one, fill whichever process is free.
+GROUPED_TIERS = ("distributed", "cluster", "gpu")
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, called only under -n
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "load":  # the default of -n; keep any other --dist
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        """Whole tiers as units of work, largest first; every other test on its own."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            parts = nodeid.split("/", 2)
+            if len(parts) == 3 and parts[0] == "tests" and parts[1] in GROUPED_TIERS:
+                return f"tests/{parts[1]}"
+            return nodeid
+
+    return TierScheduling(config, log)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def ctrl_c_as_in_a_terminal():
