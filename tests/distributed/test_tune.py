@@ -175,8 +175,14 @@ def test_pbt_continues_a_worse_trial_from_a_better_ones_checkpoint_with_a_mutate
         },
     )
     # The sine regression, whose trials start training together (population.py): PBT
-    # compares running trials only.
-    population = {"population": 2, "population_dir": str(tmp_path / "population")}
+    # compares running trials only. 50 ms per step, under a second per epoch: at 0.1 s an
+    # epoch, a trial starved for a moment on a busy machine (the cluster tier beside this
+    # one under `pytest -n 2`) saw the other finish all four before its first report.
+    population = {
+        "population": 2,
+        "population_dir": str(tmp_path / "population"),
+        "sleep_s": 0.05,
+    }
     cfg["model"] = {"target": "population:build_model", "params": population}
     cfg["data"] = {"target": "population:build_data", "params": {"num_samples": 1002}}
     # PBT clones another trial's latest checkpoint when it gets a slot, by which time that
