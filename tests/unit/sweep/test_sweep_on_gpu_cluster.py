@@ -86,6 +86,9 @@ def test_without_an_address_a_gpu_sweep_is_refused_on_a_cpu_only_host(monkeypatc
     """Ray would start here, on this machine: refused before it starts, naming the key."""
     monkeypatch.setattr(tuning, "detect_environment", lambda: CPU_HOST)
     monkeypatch.setattr(tuning, "ray_session", None)  # never reached
+    # No Ray in this process, as in a fresh `raytrain tune` (`pytest -n 2` runs unit tests
+    # after a tier, whose session Ray may still be up in the same process).
+    monkeypatch.setattr(tuning.ray, "is_initialized", lambda: False)
     cfg = load_config(
         None, [f"experiment.output_dir={tmp_path}", "scaling.use_gpu=true"], builtin=BUILTIN_SWEEP
     )
