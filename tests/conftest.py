@@ -17,8 +17,8 @@ from raytrain_app.testing.isolation import private_home
 # process: the distributed tier shares its session Ray and reference run, the cluster tier
 # runs one private SLURM network at a time, the GPU tier owns the GPUs. The tiers start at
 # once, side by side (one tier's start-ups, polls and timeouts leave the CPU to the other's
-# training), and the unit tests, one by one, fill whichever process is free first: unit
-# tests first made the run ~90 s longer (both tiers then start late and end together).
+# training), and the unit tests, one by one, fill whichever process is free first (unit
+# tests first made CI's run 1:45 longer: both tiers then started late and ended together).
 GROUPED_TIERS = ("distributed", "cluster", "gpu")
 
 
