@@ -283,9 +283,6 @@ def test_an_unreadable_lease_is_waited_for_while_young_and_taken_over_when_old(
         assert lease_of(root).token == lease.record.token
 
 
-@pytest.mark.skipif(
-    signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, reason="SIGTERM is handled here"
-)
 def test_sigterm_ends_the_run_through_the_release(tmp_path):
     root = tmp_path / "exp"
     # SIGTERM at its default, as in a fresh `raytrain` process: a Ray driver that ran
