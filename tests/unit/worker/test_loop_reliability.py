@@ -6,6 +6,8 @@ in tests/distributed/test_faults.py.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from loop_harness import Crash, LocalSession, assert_same_run, make_task, run_loop
@@ -59,8 +61,14 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     model_file = newest / ckpt.MODEL_FILE
     model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
 
-    with caplog.at_level("WARNING"):
+    # The loop sends raytrain's logs to its own stderr handler and stops their propagation
+    # to the root logger, where caplog listens: listen on raytrain's logger itself.
+    raytrain_logger = logging.getLogger("raytrain_app")
+    raytrain_logger.addHandler(caplog.handler)
+    try:
         resumed = run_loop(task, LocalSession(storage))
+    finally:
+        raytrain_logger.removeHandler(caplog.handler)
     assert f"checkpoint '{newest}' is damaged: model.pt has" in caplog.text
     assert f"resuming from the older checkpoint {previous}" in caplog.text
     assert_same_run(resumed, reference)
