@@ -4,6 +4,7 @@ real Ray and one uninterrupted reference run per session, for the tiers that nee
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 
 import pytest
@@ -11,7 +12,8 @@ from fault_runs import fault_config
 from ray_sessions import session_ray
 
 import raytrain_app as rt
-from raytrain_app.testing.isolation import private_home
+from raytrain_app.testing.isolation import private_home, ray_temp_dir
+from raytrain_app.testing.processes import stop_processes_naming
 
 # Under `pytest -n N` (pytest-xdist, the README's command), each of these tiers runs in one
 # process: the distributed tier shares its session Ray and reference run, the cluster tier
@@ -69,6 +71,16 @@ def restore_raytrain_logger():
     logger.setLevel(saved[0])
     logger.handlers[:] = saved[1]
     logger.propagate = saved[2]
+
+
+@pytest.fixture
+def ray_tmp():
+    """A fresh Ray temp dir for the embedded Ray of a ``raytrain`` subprocess; afterwards any
+    process still naming it is stopped and the directory removed, even on failure."""
+    path = ray_temp_dir()
+    yield path
+    stop_processes_naming(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,6 @@ from loop_harness import LocalSession, run_loop, worker_task
 
 import raytrain_app as rt
 from raytrain_app.config import config_from_dict
-from raytrain_app.testing.isolation import ray_temp_dir
 
 pytestmark = pytest.mark.distributed
 
@@ -52,11 +51,12 @@ def uninterrupted(tmp_path_factory) -> tuple[list[dict], dict[str, torch.Tensor]
 
 
 def _local_command(config: dict, tmp_path: Path, *flags: str) -> tuple[list[str], dict]:
-    """``raytrain train --local [flags] --config <config written to a file>``, its env."""
+    """``raytrain train --local [flags] --config <config written to a file>``, its env
+    (a Ray temp dir never made: local mode starts no Ray)."""
     path = tmp_path / f"{config['experiment']['name']}.yaml"
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "raytrain_app.cli", "train", "--local", "--no-progress"]
-    return [*command, *flags, "--config", str(path)], cli_env(ray_temp_dir("rt-local-"))
+    return [*command, *flags, "--config", str(path)], cli_env(str(tmp_path / "no-ray"))
 
 
 def _local_train(config: dict, tmp_path: Path, *flags: str, stdin: str = "") -> tuple[int, str]:

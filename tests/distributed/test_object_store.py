@@ -23,8 +23,7 @@ from raytrain_app.checkpoint.store import MODEL_FILE
 from raytrain_app.data import synthetic_wind
 from raytrain_app.errors import BadInputError
 from raytrain_app.storage import StorageLocation
-from raytrain_app.testing.isolation import ray_temp_dir
-from raytrain_app.testing.processes import stop_processes_naming, wait_until_gone
+from raytrain_app.testing.processes import wait_until_gone
 from raytrain_app.testing.s3_server import s3_for_this_process
 
 pytestmark = pytest.mark.distributed
@@ -151,7 +150,9 @@ def test_parquet_data_in_the_bucket_trains(s3, tmp_path):
     assert (result.run_dir / "summary.json").is_file()
 
 
-def test_a_sweep_in_the_bucket_resumes_after_ctrl_c_and_after_its_driver_is_killed(s3, tmp_path):
+def test_a_sweep_in_the_bucket_resumes_after_ctrl_c_and_after_its_driver_is_killed(
+    s3, tmp_path, ray_tmp
+):
     """`raytrain tune` interrupted twice: Ctrl-C (exit 130, saying how to resume), then,
     resumed, SIGKILLed (no clean-up at all); the same command then finishes the sweep from
     the bucket and writes its results there."""
@@ -166,7 +167,6 @@ def test_a_sweep_in_the_bucket_resumes_after_ctrl_c_and_after_its_driver_is_kill
     config_file = tmp_path / "sweep.yaml"
     config_file.write_text(yaml.safe_dump(cfg))
     command = [sys.executable, "-m", "raytrain_app.cli", "tune", "--config", str(config_file)]
-    ray_tmp = ray_temp_dir("rt-tune-")
     # The CLI's own embedded Ray; the AWS_* variables of this process (the s3 fixture) too.
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": ray_tmp}
 
@@ -198,9 +198,7 @@ def test_a_sweep_in_the_bucket_resumes_after_ctrl_c_and_after_its_driver_is_kill
     code, output = interrupted(signal.SIGKILL)
     assert code == -signal.SIGKILL, output
     assert "resuming the sweep" in output
-    leftovers = wait_until_gone(ray_tmp, timeout_s=60)
-    stop_processes_naming(ray_tmp)
-    assert not leftovers, "Ray processes outlived their SIGKILLed driver"
+    assert not wait_until_gone(ray_tmp, timeout_s=60), "Ray outlived its SIGKILLed driver"
 
     rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr

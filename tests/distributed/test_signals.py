@@ -25,8 +25,7 @@ import pytest
 import yaml
 from fault_runs import assert_same_as, cli_env, fault_config, newest_step, wait_for_checkpoint_after
 
-from raytrain_app.testing.isolation import ray_temp_dir
-from raytrain_app.testing.processes import stop_processes_naming, wait_until_gone
+from raytrain_app.testing.processes import wait_until_gone
 
 pytestmark = pytest.mark.distributed
 
@@ -77,7 +76,7 @@ def _second_terminal(command: list[str], env: dict):
 
 
 def test_ctrl_c_and_sigkill_stop_the_run_and_the_same_command_resumes_exactly(
-    fault_reference, tmp_path
+    fault_reference, tmp_path, ray_tmp
 ):
     # 50 ms per micro-batch (the numbers are the same), 10 s of training in all: each stop
     # lands mid-run even when a busy machine is slow to deliver it (at 20 ms, once, the run
@@ -88,41 +87,37 @@ def test_ctrl_c_and_sigkill_stop_the_run_and_the_same_command_resumes_exactly(
     # With progress on, as a user runs it; its output is a pipe, as a log file is.
     command = [sys.executable, "-m", "raytrain_app.cli", "train", "--config", str(config_file)]
     run_dir = tmp_path / "signalled"
-    ray_tmp = ray_temp_dir("rt-sig-")
-    env = cli_env(ray_tmp)
-    try:
-        # Ctrl-C: SIGINT to the driver and every Ray process in its process group.
-        code, output, seen, (second, first_pid) = _interrupt(
-            command,
-            env,
-            run_dir,
-            lambda proc: os.killpg(proc.pid, signal.SIGINT),
-            meanwhile=_second_terminal(command, env),
-        )
-        # One writer per run directory: the second exits 2 naming the first, before its Ray.
-        assert second.returncode == 2, second.stdout + second.stderr
-        refusal = second.stderr.strip().splitlines()[-1]
-        assert refusal.startswith(f"error: run directory '{run_dir}' is being written by ")
-        assert f"raytrain train on host {socket.gethostname()} (pid {first_pid}" in refusal
-        assert "Traceback" not in second.stderr and "Ray" not in second.stderr
-        assert code == 130, output
-        assert "stopped on request (SIGINT)" in output, output
-        stopped_at = newest_step(run_dir)
-        assert seen <= stopped_at < EPOCHS * 50, "no checkpoint at the stop"
+    env = cli_env(ray_tmp)  # the fixture stops any Ray left naming it, even on failure
+    # Ctrl-C: SIGINT to the driver and every Ray process in its process group.
+    code, output, seen, (second, first_pid) = _interrupt(
+        command,
+        env,
+        run_dir,
+        lambda proc: os.killpg(proc.pid, signal.SIGINT),
+        meanwhile=_second_terminal(command, env),
+    )
+    # One writer per run directory: the second exits 2 naming the first, before its Ray.
+    assert second.returncode == 2, second.stdout + second.stderr
+    refusal = second.stderr.strip().splitlines()[-1]
+    assert refusal.startswith(f"error: run directory '{run_dir}' is being written by ")
+    assert f"raytrain train on host {socket.gethostname()} (pid {first_pid}" in refusal
+    assert "Traceback" not in second.stderr and "Ray" not in second.stderr
+    assert code == 130, output
+    assert "stopped on request (SIGINT)" in output, output
+    stopped_at = newest_step(run_dir)
+    assert seen <= stopped_at < EPOCHS * 50, "no checkpoint at the stop"
 
-        # SIGKILL: no clean-up at all; the embedded Ray dies with its driver.
-        code, output, seen, _ = _interrupt(
-            command, env, run_dir, lambda proc: proc.send_signal(signal.SIGKILL)
-        )
-        assert code == -signal.SIGKILL, output
-        assert "resumed from" in output and seen > stopped_at, output
-        assert newest_step(run_dir) < EPOCHS * 50, "the run ended before its SIGKILL"
-        # The processes of the CLI's embedded Ray name its temp dir.
-        assert not wait_until_gone(ray_tmp, timeout_s=60), "Ray outlived its SIGKILLed driver"
+    # SIGKILL: no clean-up at all; the embedded Ray dies with its driver.
+    code, output, seen, _ = _interrupt(
+        command, env, run_dir, lambda proc: proc.send_signal(signal.SIGKILL)
+    )
+    assert code == -signal.SIGKILL, output
+    assert "resumed from" in output and seen > stopped_at, output
+    assert newest_step(run_dir) < EPOCHS * 50, "the run ended before its SIGKILL"
+    # The processes of the CLI's embedded Ray name its temp dir.
+    assert not wait_until_gone(ray_tmp, timeout_s=60), "Ray outlived its SIGKILLed driver"
 
-        final = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    finally:
-        stop_processes_naming(ray_tmp)  # never leave the CLI's Ray behind, even on failure
+    final = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     output = final.stdout + final.stderr
     assert final.returncode == 0, output
     assert "resumed from" in output and "epoch 4/4: step=200" in output
