@@ -215,6 +215,7 @@ def test_two_nodes_train_one_worker_each_into_the_bucket_and_finish_on_one_when_
     assert cluster.job_state(job_id) == "COMPLETED", text
     assert "plan: 2 worker(s) x micro-batch 32" in text
     assert "plan: 1 worker(s) x micro-batch 64" in text
+    assert "Send termination request" not in text  # `ray stop`'s list, on either node
     summary = json.loads(cluster.read_object(s3, s3.uri("runs", "spread", "summary.json")))
     segments = [(s["step"], s["world_size"]) for s in summary["world_size_segments"]]
     assert [size for _, size in segments] == [2, 1] and segments[1][0] > 0, segments
