@@ -62,11 +62,16 @@ def isolated_home(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def restore_raytrain_logger():
-    """The CLI's main() and the in-process worker loop install a stderr handler (bound to
-    that test's capsys) on raytrain's logger and stop propagation: never let it leak."""
+def fresh_raytrain_logger():
+    """Each test starts with raytrain's logger as a fresh process has it: no handler, records
+    propagating to the root logger. The CLI's main() and the in-process worker loop install
+    a stderr handler (bound to the capture of their test's time) and stop propagation; a
+    session fixture's run would otherwise leave that to every later test in the process."""
     logger = logging.getLogger("raytrain_app")
     saved = (logger.level, list(logger.handlers), logger.propagate)
+    logger.setLevel(logging.NOTSET)
+    logger.handlers[:] = []
+    logger.propagate = True
     yield
     logger.setLevel(saved[0])
     logger.handlers[:] = saved[1]

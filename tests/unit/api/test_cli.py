@@ -10,7 +10,6 @@ plan only after starting Ray, so its plan errors run against a stand-in embedded
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import subprocess
@@ -69,10 +68,6 @@ def no_ray(monkeypatch, tmp_path):
 
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # even if a test Ray is up
-    # No raytrain log handler yet, as in a fresh CLI process: one a test Ray's run left
-    # (`pytest -n 2` runs unit tests after a tier) writes to the stderr of its time, and
-    # main() keeps it instead of writing to this test's.
-    monkeypatch.setattr(logging.getLogger("raytrain_app"), "handlers", [])
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.chdir(tmp_path)
     return calls

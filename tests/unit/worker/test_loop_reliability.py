@@ -6,10 +6,9 @@ in tests/distributed/test_faults.py.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
+from log_lines import log_lines
 from loop_harness import Crash, LocalSession, assert_same_run, make_task, run_loop
 
 from raytrain_app.checkpoint import store as ckpt
@@ -49,7 +48,7 @@ def test_mid_epoch_checkpoints_are_taken_every_n_steps_and_not_reported_as_epoch
     assert [row["epoch"] for row in result["history"]] == [1, 2]
 
 
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     task = make_task(tmp_path, checkpoint_every_steps=4)
     reference = run_loop(
         make_task(tmp_path / "ref", checkpoint_every_steps=4), LocalSession(tmp_path / "r")
@@ -61,16 +60,11 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     model_file = newest / ckpt.MODEL_FILE
     model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
 
-    # The loop sends raytrain's logs to its own stderr handler and stops their propagation
-    # to the root logger, where caplog listens: listen on raytrain's logger itself.
-    raytrain_logger = logging.getLogger("raytrain_app")
-    raytrain_logger.addHandler(caplog.handler)
-    try:
+    with log_lines("raytrain_app") as lines:
         resumed = run_loop(task, LocalSession(storage))
-    finally:
-        raytrain_logger.removeHandler(caplog.handler)
-    assert f"checkpoint '{newest}' is damaged: model.pt has" in caplog.text
-    assert f"resuming from the older checkpoint {previous}" in caplog.text
+    logged = "\n".join(lines)
+    assert f"checkpoint '{newest}' is damaged: model.pt has" in logged
+    assert f"resuming from the older checkpoint {previous}" in logged
     assert_same_run(resumed, reference)
 
 
