@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -14,8 +13,7 @@ import pytest
 from nbclient import NotebookClient
 from paths import ROOT
 
-from raytrain_app.testing.isolation import isolated_env, ray_temp_dir
-from raytrain_app.testing.processes import stop_processes_naming
+from raytrain_app.testing.isolation import isolated_env
 
 pytestmark = pytest.mark.cluster
 
@@ -59,11 +57,10 @@ def venv_kernel(tmp_path, monkeypatch) -> str:
     return "python3"
 
 
-def test_quickstart_notebook_runs(tmp_path, venv_kernel):
+def test_quickstart_notebook_runs(tmp_path, venv_kernel, ray_tmp):
     nb = nbformat.read(QUICKSTART, as_version=4)
     output_dir = tmp_path / "runs"
     _with_test_parameters(nb, output_dir)
-    ray_tmp = ray_temp_dir("rt-nb-")
     # Isolated for the Ray that the kernel starts; MPLBACKEND left out: the kernel's inline
     # backend renders the plots.
     env = isolated_env(tmp_path / "home", without=("MPLBACKEND",), RAY_TMPDIR=ray_tmp)
@@ -73,11 +70,7 @@ def test_quickstart_notebook_runs(tmp_path, venv_kernel):
         kernel_name=venv_kernel,
         resources={"metadata": {"path": str(tmp_path)}},
     )
-    try:
-        client.execute(env=env)  # raises CellExecutionError
-    finally:
-        stop_processes_naming(ray_tmp)  # normally none left: the kernel stops its Ray
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    client.execute(env=env)  # raises CellExecutionError; the kernel stops its Ray
 
     probe = json.loads(nb.cells[-1].outputs[0]["text"])
     assert Path(probe["prefix"]).resolve() == Path(sys.prefix).resolve()
