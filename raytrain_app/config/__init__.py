@@ -1,7 +1,7 @@
 """The run configuration: the typed schema, YAML and ``--set`` loading, one-line errors.
 
 Runs in every process (CLI, driver, workers, trials); imports nothing else of raytrain's
-but ``errors``.
+but ``errors`` and ``storage`` (to recognise URIs with credentials in them).
 """
 
 from raytrain_app.config.base import ConfigError

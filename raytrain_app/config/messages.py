@@ -1,5 +1,6 @@
 """Pydantic validation errors as one sentence naming the key, the bad value and what is allowed."""
 
+import math
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -10,6 +11,7 @@ from pydantic.fields import FieldInfo
 
 from raytrain_app.config.keys import _section_model
 from raytrain_app.config.schema import RaytrainConfig
+from raytrain_app.storage.location import redact_credentials
 
 
 def _kind(value: Any) -> str:
@@ -29,7 +31,11 @@ def _show(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    text = repr(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        # as the user wrote it: Python's inf and nan are not YAML
+        return ".nan" if math.isnan(value) else ("-.inf" if value < 0 else ".inf")
+    # before shortening, which could cut a URI's credentials off from the '@' that marks them
+    text = redact_credentials(repr(value))
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
@@ -123,6 +129,9 @@ def _error_message(exc: ValidationError, data: Mapping[str, Any]) -> tuple[str, 
     reason = None
     if error["type"] == "value_error":
         reason = str(error.get("ctx", {}).get("error", error["msg"]))
+    if error["type"] == "finite_number" and field is not None:
+        # the field's own phrase ("a number > 0") reads as if .inf satisfied it
+        reason = _allowed(field).replace("a number", "a finite number")
     if field is None:
         return dotted, f"invalid config: {reason or error['msg']}"
     if reason and _section_model(field) is not None:

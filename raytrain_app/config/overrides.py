@@ -14,10 +14,10 @@ from raytrain_app.config.schema import RaytrainConfig
 from raytrain_app.config.yaml_io import _load_yaml
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str, flag: str) -> Any:
     """Parse an override value as YAML, so ``4``, ``3e-4``, ``true`` and ``null`` are typed."""
     try:
-        return _load_yaml(raw)
+        return _load_yaml(raw, flag)
     except yaml.YAMLError:
         # e.g. `data.path=*.parquet` is not valid YAML (an alias) but is plainly a string
         return raw
@@ -80,7 +80,7 @@ def _set_path(data: dict[str, Any], parts: list[str], value: Any, flag: str) -> 
 def _apply_override(data: dict[str, Any], item: str) -> list[str]:
     """Apply one ``a.b.c=value`` override to ``data`` in place; return the key's parts."""
     flag, parts, raw = _split_override(item)
-    _apply_value(data, parts, _parse_value(raw), flag)
+    _apply_value(data, parts, _parse_value(raw, flag), flag)
     return parts
 
 

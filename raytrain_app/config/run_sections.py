@@ -5,7 +5,13 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from raytrain_app.config.base import NonEmptyStr, NonNegativeInt, PositiveInt, _Section
+from raytrain_app.config.base import (
+    NonEmptyStr,
+    NonNegativeInt,
+    PositiveInt,
+    _Section,
+    refuse_credentials,
+)
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -25,6 +31,8 @@ class ExperimentConfig(_Section):
     seed: NonNegativeInt = Field(
         0, description="Seed for model initialisation, data generation and shuffling."
     )
+
+    _no_credentials = field_validator("output_dir")(refuse_credentials)
 
     @field_validator("name")
     @classmethod
@@ -107,6 +115,8 @@ class DataConfig(_OneSource):
         default_factory=dict,
         description="Keyword parameters passed unchanged to the dataset builder or factory.",
     )
+
+    _no_credentials = field_validator("path")(refuse_credentials)
 
 
 class TuneConfig(_Section):

@@ -6,9 +6,11 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from raytrain_app.config.base import (
+    BatchSize,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    WorkerCount,
     WorkerRange,
     _Section,
 )
@@ -32,11 +34,11 @@ class TrainConfig(_Section):
     """Optimisation: epochs, batch size, learning-rate schedule, optimizer and checkpoints."""
 
     epochs: PositiveInt = Field(5, description="Number of passes over the training data.")
-    global_batch_size: PositiveInt = Field(
+    global_batch_size: BatchSize = Field(
         64,
         description="Effective batch size per optimizer step, the same for any number of workers.",
     )
-    max_batch_per_worker: Literal["auto"] | PositiveInt | None = Field(
+    max_batch_per_worker: Literal["auto"] | BatchSize | None = Field(
         None,
         description="Largest micro-batch one worker may hold in memory; above it gradient "
         "accumulation keeps global_batch_size. auto probes the GPU (forward and backward of "
@@ -49,7 +51,7 @@ class TrainConfig(_Section):
         "none",
         description="How lr scales with global_batch_size relative to base_batch_size.",
     )
-    base_batch_size: PositiveInt | None = Field(
+    base_batch_size: BatchSize | None = Field(
         None,
         description="Batch size the lr was tuned for; null means global_batch_size, so "
         "scaling changes nothing.",
@@ -117,7 +119,7 @@ class TrainConfig(_Section):
 class ScalingConfig(_Section):
     """How many Ray Train workers run and what each one reserves."""
 
-    num_workers: Literal["auto"] | PositiveInt | WorkerRange = Field(
+    num_workers: Literal["auto"] | WorkerCount | WorkerRange = Field(
         "auto",
         description="Number of training workers; auto uses as many GPUs (or CPUs / "
         "cpus_per_worker) as split global_batch_size evenly; [min, max] trains elastically: "

@@ -1,7 +1,10 @@
 """YAML text in and out: the safe loader and dumper, reading a config file, atomic saving.
 
-PyYAML is wrapped so that YAML 1.2 floats like ``3e-4`` load as numbers and a key given
-twice is an error; every problem becomes a one-line :class:`ConfigError`.
+PyYAML is wrapped so that YAML 1.2 floats like ``3e-4`` load as numbers, a key given
+twice is an error, and a document may not expand past a size a config plausibly has (an
+alias is a reference: nine lines of aliases of aliases stand for a billion values, which
+the first deep copy or dump of the config would build); every problem becomes a one-line
+:class:`ConfigError`.
 """
 
 import os
@@ -21,6 +24,13 @@ from raytrain_app.config.schema import RaytrainConfig
 # files in raytrain_app/configs/, read when no --config is given
 BUILTIN_CONFIG = "quickstart.yaml"
 BUILTIN_SWEEP = "wind_sweep.yaml"
+
+# Far above any real config (the built-in ones are under 2 KB and 200 values) and far below
+# what takes a noticeable time or memory to read, copy and dump.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000
+MAX_YAML_DEPTH = 100
+_TOO_DEEP = f"it nests values more than {MAX_YAML_DEPTH} levels deep; flatten it"
 
 _YAML12_FLOAT = re.compile(r"[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 
@@ -53,19 +63,69 @@ for _cls in (_Loader, _Dumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789"))
 
 
-def _load_yaml(text: str) -> Any:
-    """Parse one YAML document with ``_Loader`` (safe: it only builds plain Python types)."""
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [item for pair in node.value for item in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _too_big(root: yaml.Node) -> str | None:
+    """Why the document ``root`` is too big to load and what to do, or None: its size
+    counts an aliased value at every place it is used, as the loaded config holds it.
+
+    Iterative (an explicit stack), so that no document can exhaust Python's recursion.
+    """
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    while stack:
+        node, depth, finished = stack.pop()
+        key = id(node)
+        if finished:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
+            if sizes[key] > MAX_YAML_VALUES:
+                return (
+                    f"it expands to more than {MAX_YAML_VALUES} values, counting a *alias at "
+                    f"every use; write the values out or nest fewer &anchors/*aliases"
+                )
+        elif key in on_path:
+            return "a *alias refers to a value that contains it; remove that alias"
+        elif key not in sizes:
+            if depth > MAX_YAML_DEPTH:
+                return _TOO_DEEP
+            on_path.add(key)
+            stack.append((node, depth, True))
+            stack.extend((child, depth + 1, False) for child in _children(node))
+    return None
+
+
+def _load_yaml(text: str, label: str) -> Any:
+    """Parse one YAML document with ``_Loader`` (safe: it only builds plain Python types);
+    ``label`` names its source in errors."""
     loader = _Loader(text)
     try:
-        return loader.get_single_data()
+        node = loader.get_single_node()
+        reason = None if node is None else _too_big(node)
+        if reason:
+            raise ConfigError(f"{label} is too large to load: {reason}")
+        return None if node is None else loader.construct_document(node)
+    except RecursionError:
+        # PyYAML composes nested collections recursively: thousands of '[' exhaust the stack
+        raise ConfigError(f"{label} is too large to load: {_TOO_DEEP}") from None
     finally:
         loader.dispose()
 
 
 def _parse_yaml(text: str, label: str) -> dict[str, Any]:
     """Parse a config document into a mapping; ``label`` names its source in errors."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{label} is too large to load: {len(text)} characters, more than "
+            f"{MAX_CONFIG_BYTES}; a config holds settings, not data"
+        )
     try:
-        data = _load_yaml(text)
+        data = _load_yaml(text, label)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or exc.context or "syntax error"
@@ -101,7 +161,15 @@ def _read_config_text(path: str | Path | None, builtin: str) -> tuple[str, str]:
     if file.is_dir():
         raise ConfigError(f"{label} is a directory; pass a YAML file with --config")
     try:
-        return file.read_text(encoding="utf-8"), label
+        with file.open("rb") as handle:
+            # one byte over the cap is enough to refuse, without reading a huge file whole
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{label} is too large to load: more than {MAX_CONFIG_BYTES} bytes; pass "
+                f"the YAML config file with --config, not a data file"
+            )
+        return raw.decode("utf-8"), label
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
         raise ConfigError(f"cannot read {label}: {reason}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -142,7 +143,14 @@ def build_windows(
     features, target = _filled_columns(table, feature_columns, target_column, bounds, missing)
     window = context_length + horizon
     train_rows, val_rows = split_rows(bounds, window, val_fraction)
-    inputs, scaled_target, stats = standardise(features, target, train_rows, stats)
+    inputs, scaled_target, stats = standardise(
+        features,
+        target,
+        train_rows,
+        stats,
+        names=[*feature_columns, target_column],
+        source=f"the Parquet data {_shown(path)}",
+    )
     train, val = (
         make_dataset(inputs, scaled_target, rows, context_length, horizon, stride)
         for rows in (train_rows, val_rows)
@@ -161,6 +169,11 @@ def build_windows(
         **stats,
     }
     return DataSplits(train=train, val=val, info=info)
+
+
+def _shown(path: PathLike | Sequence[PathLike]) -> str:
+    """The data path as the user gave it, for messages."""
+    return repr(str(path)) if isinstance(path, (str, Path)) else repr([str(p) for p in path])
 
 
 def _filled_columns(

@@ -36,6 +36,23 @@ def nearest_multiples(value: int, step: int) -> list[int]:
     return [m for m in (lower, lower + step) if m > 0]
 
 
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    """The largest divisor of ``n`` (>= 1) that is at most ``cap`` (>= 1).
+
+    At most about ``sqrt(n)`` trial divisions, not ``cap``: divisors come in pairs
+    ``(i, n // i)`` around ``sqrt(n)``, so a batch of 10**9 takes some 30 000 steps.
+    """
+    root = math.isqrt(n)
+    if cap <= root:
+        return next(d for d in range(cap, 0, -1) if n % d == 0)
+    # The large partner n // i is at most cap exactly when i >= n / cap; the smallest
+    # such i that divides n gives the largest large divisor.
+    for i in range(-(-n // cap), root + 1):
+        if n % i == 0:
+            return n // i
+    return next(d for d in range(root, 0, -1) if n % d == 0)
+
+
 def plan_batch(global_batch: int, world_size: int, max_per_worker: int | None) -> BatchPlan:
     """Split ``global_batch`` over ``world_size`` workers and gradient-accumulation steps.
 
@@ -51,7 +68,7 @@ def plan_batch(global_batch: int, world_size: int, max_per_worker: int | None) -
         )
     per_worker = global_batch // world_size
     cap = per_worker if max_per_worker is None else min(per_worker, max_per_worker)
-    micro = max(d for d in range(1, cap + 1) if per_worker % d == 0)
+    micro = largest_divisor_at_most(per_worker, cap)
     plan = BatchPlan(world_size=world_size, micro_batch=micro, accum_steps=per_worker // micro)
     if max_per_worker is not None and micro * 2 <= max_per_worker and plan.accum_steps > 1:
         better = nearest_multiples(global_batch, world_size * max_per_worker)

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from raytrain_app.config import RaytrainConfig
+from raytrain_app.config.base import MAX_BATCH_SIZE
 from raytrain_app.planning.batch import PlanError, nearest_multiples, plan_batch, scaled_lr
 from raytrain_app.planning.environment import Environment, GpuInfo
 from raytrain_app.storage import is_uri
@@ -126,20 +127,37 @@ def check_elastic_range(cfg: RaytrainConfig, low: int, high: int) -> None:
     bad = [w for w in range(low, high + 1) if global_batch % w]
     if not bad:
         return
-    lcm = math.lcm(*range(low, high + 1))
-    batches = " or ".join(str(m) for m in nearest_multiples(global_batch, lcm))
+    lcm = _lcm_at_most(range(low, high + 1), MAX_BATCH_SIZE)
     ranges = _valid_subranges(global_batch, low, high)
     narrower = f"scaling.num_workers={list(ranges[0])}" if ranges else "a fixed scaling.num_workers"
+    if lcm is None:
+        # no allowed batch is a multiple of every size: only a narrower range helps
+        other = f" (no train.global_batch_size up to {MAX_BATCH_SIZE} splits over all of them)"
+    else:
+        batches = " or ".join(str(m) for m in nearest_multiples(global_batch, lcm))
+        other = f" or set train.global_batch_size to a multiple of {lcm} (e.g. {batches})"
     raise PlanError(
         f"train.global_batch_size={global_batch} cannot be split evenly over "
         f"{_either(bad)} workers, which scaling.num_workers=[{low}, {high}] "
-        f"allows; narrow it to {narrower} or set train.global_batch_size to a multiple of "
-        f"{lcm} (e.g. {batches})"
+        f"allows; narrow it to {narrower}{other}"
     )
 
 
-def _either(values: list[int]) -> str:
-    words = [str(v) for v in values]
+def _lcm_at_most(values: range, limit: int) -> int | None:
+    """The least common multiple of ``values``, or None once it exceeds ``limit``: that of
+    1..100000 has 43 000 digits, slow to compute and too long to print."""
+    lcm = 1
+    for value in values:
+        lcm = math.lcm(lcm, value)
+        if lcm > limit:
+            return None
+    return lcm
+
+
+def _either(values: list[int], shown: int = 8) -> str:
+    words = [str(v) for v in values[:shown]]
+    if len(values) > shown:
+        return f"{', '.join(words)} and {len(values) - shown} more"
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 

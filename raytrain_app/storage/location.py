@@ -2,7 +2,12 @@
 filesystem too) or a URI pyarrow resolves (``s3://``, ``gs://``, ``hdfs://``, ...).
 
 S3 endpoints and credentials come only from the standard AWS variables
-(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), which pyarrow reads itself.
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), which pyarrow reads itself. A URI that
+carries credentials (``s3://KEY:SECRET@bucket``) is refused, and shown only redacted: a URI
+ends up in messages, logs, configs and summaries that others read.
+
+What a bucket holds is data, not a promise: a key is materialised locally only if every
+part of it is a plain name, so no key can write outside the folder it is downloaded to.
 """
 
 from __future__ import annotations
@@ -23,12 +28,42 @@ from raytrain_app.errors import BadInputError, first_line
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
 
 
+# The userinfo of a URI anywhere in a text: ``user[:password]@`` before the host, or a
+# password holding a '/' (AWS secret keys often do), which ends the host part early: then
+# ':' is followed by something other than a port number.
+_CREDENTIALS = re.compile(
+    r"\b(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+://)"
+    r"(?P<userinfo>[^\s/?#@'\"]*@"
+    r"|[^\s/?#@:'\"]*:(?![0-9]*(?:[/?#\s'\"]|$))[^\s@'\"]*@)"
+)
+
+
 def is_uri(text: str | os.PathLike) -> bool:
     """Whether ``text`` names a filesystem by URI (``s3://bucket/x``), not a local path."""
     return bool(_URI.match(os.fspath(text)))
 
 
+def has_credentials(text: str | os.PathLike) -> bool:
+    """Whether ``text`` holds a URI with credentials in it (``s3://KEY:SECRET@bucket``)."""
+    return bool(_CREDENTIALS.search(os.fspath(text)))
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` with the credentials of every URI in it replaced by ``***``."""
+    return _CREDENTIALS.sub(r"\g<scheme>***@", text)
+
+
+def _credentials_error(text: str, key: str) -> BadInputError:
+    return BadInputError(
+        f"{key}={redact_credentials(text)!r} carries credentials in the URI, where logs and "
+        f"run files would show them; give the URI without them and pass the credentials "
+        f"through the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3://)"
+    )
+
+
 def _bad_uri(text: str, key: str, reason: str) -> BadInputError:
+    # pyarrow's own message may quote the URI: redact both
+    text, reason = redact_credentials(text), redact_credentials(reason)
     return BadInputError(
         f"{key}={text!r} is not a storage location pyarrow can open ({reason}); use a local "
         f"path or a URI such as s3://bucket/prefix, gs://bucket/prefix or hdfs://host/path "
@@ -59,11 +94,14 @@ class StorageLocation:
             key: the config key or flag it came from, named in errors.
 
         Raises:
-            BadInputError: a URI of an unknown scheme, or one pyarrow cannot resolve.
+            BadInputError: a URI of an unknown scheme, one pyarrow cannot resolve, or one
+                with credentials in it.
         """
         text = os.fspath(text)
         if not is_uri(text):
             return cls.local(Path(text).expanduser().absolute())
+        if has_credentials(text):
+            raise _credentials_error(text, key)
         try:
             filesystem, path = pafs.FileSystem.from_uri(text)
         except (pa.ArrowException, OSError, ValueError) as exc:
@@ -103,7 +141,14 @@ class StorageLocation:
         return self.path.rstrip("/").rsplit("/", 1)[-1]
 
     def child(self, *parts: str) -> StorageLocation:
-        """The location ``parts`` below this one (``child("checkpoints", "x")``)."""
+        """The location ``parts`` below this one (``child("checkpoints", "x")``).
+
+        Raises:
+            BadInputError: a part is ``.`` or ``..`` (a key in a bucket may say so), which
+                would name a place that is not below this one.
+        """
+        for part in parts:
+            _check_names(self.uri, part, [name for name in part.split("/") if name])
         if self.is_local:
             return StorageLocation.local(Path(self.path, *parts))
         suffix = "/".join(p.strip("/") for p in parts)
@@ -128,7 +173,9 @@ class StorageLocation:
             return self
         if not inner.startswith(f"{self.path}/"):
             raise ValueError(f"'{path}' is not inside '{self.path}'")
-        return self.child(inner[len(self.path) + 1 :])
+        relative = inner[len(self.path) + 1 :]
+        _check_names(self.uri, path, relative.split("/"))
+        return self.child(relative)
 
     # Queries
 
@@ -197,18 +244,47 @@ class StorageLocation:
     def download(self, directory: Path) -> Path:
         """Copy this file, or this directory's contents, into the local ``directory``.
 
+        Every file's key is checked before anything is written: one whose parts are not
+        all plain names (``..``, ``.``, an empty part) is refused, so nothing lands outside
+        ``directory``.
+
         Returns:
             The local copy: ``directory / name`` for a file, ``directory`` for a directory.
+
+        Raises:
+            BadInputError: a key below this location is not a plain relative path.
         """
+        if self.is_file():
+            _check_names(self.uri, self.name, [self.name])
+            copies = [(self.path, directory / self.name)]
+            target = directory / self.name
+        else:
+            copies = [(path, directory.joinpath(*parts)) for path, parts in self._files()]
+            target = directory
         directory.mkdir(parents=True, exist_ok=True)
-        target = directory / self.name if self.is_file() else directory
-        pafs.copy_files(
-            self.path,
-            str(target),
-            source_filesystem=self.filesystem,
-            destination_filesystem=pafs.LocalFileSystem(),
-        )
+        for source, local in copies:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            pafs.copy_files(
+                source,
+                str(local),
+                source_filesystem=self.filesystem,
+                destination_filesystem=pafs.LocalFileSystem(),
+            )
         return target
+
+    def _files(self) -> list[tuple[str, list[str]]]:
+        """Every file below this directory: its path and its checked parts below it."""
+        selector = pafs.FileSelector(self.path, allow_not_found=True, recursive=True)
+        prefix = f"{self.path.rstrip('/')}/"
+        files = []
+        for info in self.filesystem.get_file_info(selector):
+            if info.type != pafs.FileType.File:
+                continue
+            relative = info.path[len(prefix) :] if info.path.startswith(prefix) else ""
+            parts = relative.split("/")
+            _check_names(self.uri, info.path, parts)
+            files.append((info.path, parts))
+        return sorted(files)
 
     def delete(self) -> None:
         """Delete this file or directory (with everything under it); nothing if absent."""
@@ -217,3 +293,15 @@ class StorageLocation:
             self.filesystem.delete_dir(self.path)
         elif kind != pafs.FileType.NotFound:
             self.filesystem.delete_file(self.path)
+
+
+def _check_names(uri: str, key: str, parts: list[str]) -> None:
+    """Refuse a key below ``uri`` unless its ``parts`` are plain names: ``..`` leaves the
+    folder a key is copied to, and ``.`` or an empty part makes two keys one file."""
+    if all(part not in ("", ".", "..") for part in parts):
+        return
+    raise BadInputError(
+        f"{redact_credentials(uri)} holds the key {key!r}, which does not name a place inside "
+        f"it ('..', '.' or an empty part), so raytrain reads or downloads nothing of it; "
+        f"remove or rename that object in the store"
+    )

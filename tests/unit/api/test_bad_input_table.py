@@ -62,7 +62,9 @@ class Case:
     """One bad input: the raytrain arguments and what its one-line error must contain.
 
     ``{port}`` in ``argv`` and ``expect`` becomes a local port nothing listens on. ``files``
-    (path relative to the workspace -> text) are written before the case runs.
+    (path relative to the workspace -> text) are written before the case runs. ``hidden``
+    (a secret in ``argv``) must not appear in the output; ``timeout_s`` is shorter for the
+    cases that once hung.
     """
 
     id: str
@@ -70,6 +72,8 @@ class Case:
     expect: tuple[str, ...]  # the key, file or flag, then a piece of the fix
     files: Mapping[str, str] = field(default_factory=dict)
     code: int = 2
+    hidden: tuple[str, ...] = ()
+    timeout_s: float = CASE_TIMEOUT_S
 
 
 def on_existing(command: str, *sets: str) -> tuple[str, ...]:
@@ -92,9 +96,22 @@ def parquet(*sets: str, command: str = "train") -> tuple[str, ...]:
     return tuple(argv)
 
 
-def config_file(name: str, text: str, expect: tuple[str, ...], command: str = "train") -> Case:
+def config_file(
+    name: str, text: str, expect: tuple[str, ...], command: str = "train", **more
+) -> Case:
     path = f"cases/{name}.yaml"
-    return Case(name, (command, "--config", path), (path, *expect), {path: text})
+    return Case(name, (command, "--config", path), (path, *expect), {path: text}, **more)
+
+
+# Nine lines of aliases of aliases: 10**10 values in 647 bytes, loaded as shared references
+# before and built by the first copy or dump of the config.
+ALIAS_BOMB = (
+    "model:\n  params:\n    a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+    + ("".join(f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 10)))
+)
+# An AWS-style secret with a '/', which ends a URI's host part early.
+SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCY"
+HOSTILE_TIMEOUT_S = 20
 
 
 UNREADABLE_DATA = (
@@ -142,6 +159,17 @@ CASES = [
         "key_in_the_wrong_section",
         f"experiment: {{name: {EXISTING}}}\nlr: 0.1\n",
         ("'lr'", "did you mean 'train.lr'"),
+    ),
+    config_file(
+        "yaml_alias_bomb",
+        ALIAS_BOMB,
+        ("too large to load", "expands to more than 100000 values", "nest fewer &anchors"),
+        timeout_s=HOSTILE_TIMEOUT_S,
+    ),
+    config_file(
+        "yaml_recursive_alias",
+        "model:\n  params: &p {again: *p}\n",
+        ("too large to load", "remove that alias"),
     ),
     config_file(
         "data_path_and_target_together",
@@ -237,6 +265,28 @@ CASES = [
             ("zero_prefetch_factor", "dataloader.prefetch_factor", 0, "must be an integer >= 1"),
             ("negative_loader_workers", "dataloader.num_workers", -1, "integer >= 0"),
         ]
+    ),
+    Case(
+        "infinite_lr",
+        on_existing("train", "train.lr=.inf"),
+        ("'train.lr'", "must be a finite number > 0"),
+    ),
+    Case(
+        "nan_weight_decay",
+        on_existing("train", "train.weight_decay=.nan"),
+        ("'train.weight_decay'", "must be a finite number >= 0"),
+    ),
+    Case(
+        "plan_global_batch_of_1e21",  # the micro-batch search was linear in it: plan hung
+        ("plan", "--set", "train.global_batch_size=1000000000000000000000"),
+        ("'train.global_batch_size'", "must be an integer >= 1 and <= 1000000000"),
+        timeout_s=HOSTILE_TIMEOUT_S,
+    ),
+    Case(
+        "elastic_range_too_wide_for_any_batch",  # a 43 000-digit lcm: a traceback
+        on_cpu("scaling.num_workers=[1, 100000]"),
+        ("scaling.num_workers=[1, 100000]", "narrow it to scaling.num_workers=[1, 2]"),
+        timeout_s=HOSTILE_TIMEOUT_S,
     ),
     Case(
         "zero_tune_samples",
@@ -341,6 +391,27 @@ CASES = [
         "tune_missing_data_path",
         parquet("data.path=data/missing.parquet", command="tune"),
         ("data/missing.parquet", "give a file, a directory or a glob"),
+    ),
+    Case(
+        "output_dir_with_credentials",
+        on_existing("train", f"experiment.output_dir=s3://AKIAEXAMPLE:{SECRET}@bucket/runs"),
+        ("'experiment.output_dir': 's3://***@bucket/runs'", "AWS_ACCESS_KEY_ID"),
+        hidden=("AKIAEXAMPLE", SECRET.split("/")[0], SECRET.split("/")[1]),
+        timeout_s=HOSTILE_TIMEOUT_S,
+    ),
+    Case(
+        "data_path_with_credentials",
+        parquet(f"data.path=s3://AKIAEXAMPLE:{SECRET}@bucket/turbines.parquet"),
+        ("'data.path': 's3://***@bucket/turbines.parquet'", "AWS_ACCESS_KEY_ID"),
+        hidden=("AKIAEXAMPLE", SECRET.split("/")[0], SECRET.split("/")[1]),
+        timeout_s=HOSTILE_TIMEOUT_S,
+    ),
+    Case(
+        "predict_checkpoint_with_credentials",
+        ("predict", "--checkpoint", f"s3://AKIAEXAMPLE:{SECRET}@bucket/runs/existing"),
+        ("--checkpoint='s3://***@bucket/runs/existing'", "AWS_ACCESS_KEY_ID"),
+        hidden=("AKIAEXAMPLE", SECRET.split("/")[0], SECRET.split("/")[1]),
+        timeout_s=HOSTILE_TIMEOUT_S,
     ),
     # ------------------------------------------------------------------ model and data targets
     Case(
@@ -484,6 +555,31 @@ CASES = [
             "../outside.yaml",
         ),
         ("--config '../outside.yaml' is outside the working directory", "pass --working-dir"),
+    ),
+    Case(
+        "submit_config_equals_outside_working_dir",
+        (
+            "submit",
+            "--address",
+            "http://127.0.0.1:{port}",
+            "--",
+            "train",
+            "--config=../outside.yaml",
+        ),
+        ("--config '../outside.yaml' is outside the working directory", "pass --working-dir"),
+    ),
+    Case(
+        "submit_env_var_unset",
+        (
+            "submit",
+            "--address",
+            "http://127.0.0.1:{port}",
+            "--env-var",
+            "RAYTRAIN_TEST_NEVER_SET",
+            "--",
+            "train",
+        ),
+        ("--env-var RAYTRAIN_TEST_NEVER_SET is not set", "export RAYTRAIN_TEST_NEVER_SET first"),
     ),
     Case(
         "submit_missing_working_dir",
@@ -633,7 +729,7 @@ class ForkingCli:
         )
         self.log = (workspace.io / "runner.log").open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _RUNNER, str(CASE_TIMEOUT_S)],
+            [sys.executable, "-c", _RUNNER],
             cwd=workspace.root,
             env=env,
             stdin=subprocess.PIPE,
@@ -645,9 +741,9 @@ class ForkingCli:
         ready = self.proc.stdout.readline()
         assert ready == "ready\n", (workspace.io / "runner.log").read_text()
 
-    def run(self, case_id: str, argv: list[str]) -> tuple[int, str, str]:
+    def run(self, case_id: str, argv: list[str], timeout_s: float) -> tuple[int, str, str]:
         out, err = self.io / f"{case_id}.out", self.io / f"{case_id}.err"
-        job = {"argv": argv, "stdout": str(out), "stderr": str(err)}
+        job = {"argv": argv, "stdout": str(out), "stderr": str(err), "timeout_s": timeout_s}
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         reply = self.proc.stdout.readline()
@@ -677,7 +773,6 @@ def refuse(*args, **kwargs):
 
 
 ray.init = refuse
-timeout_s = float(sys.argv[1])
 
 
 def run_case(job):
@@ -713,7 +808,7 @@ for line in sys.stdin:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + job["timeout_s"]
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
@@ -754,7 +849,7 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(case, workspace, cl
     argv = [arg.replace("{port}", str(workspace.port)) for arg in case.argv]
     before = _snapshot(workspace.root)
 
-    code, out, err = cli.run(case.id, argv)
+    code, out, err = cli.run(case.id, argv, case.timeout_s)
 
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.strip()]
@@ -765,6 +860,7 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(case, workspace, cl
     for part in case.expect:
         assert part.replace("{port}", str(workspace.port)) in message
     assert out == ""
+    assert not [secret for secret in case.hidden if secret in err]
     # nothing written or removed anywhere: no run directory, no Ray session, no predictions
     assert _changes(before, _snapshot(workspace.root)) == []
     assert _snapshot(workspace.root / RUN_DIR) == workspace.existing_run

@@ -295,12 +295,14 @@ def test_keys_inside_params_are_free_form():
         (
             {"train": {"global_batch_size": -3}},
             (),
-            "invalid value for 'train.global_batch_size': -3 (must be an integer >= 1)",
+            "invalid value for 'train.global_batch_size': -3 (must be an integer >= 1 and "
+            "<= 1000000000)",
         ),
         (
             {"train": {"global_batch_size": 64.5}},
             (),
-            "invalid value for 'train.global_batch_size': 64.5 (must be an integer >= 1)",
+            "invalid value for 'train.global_batch_size': 64.5 (must be an integer >= 1 and "
+            "<= 1000000000)",
         ),
         (
             {"precision": "fp8"},
@@ -346,8 +348,8 @@ def test_bad_values(data, overrides, expected):
 def test_bad_value_via_set_names_the_flag():
     message = config_error({}, ["scaling.num_workers=0"])
     assert message == (
-        "invalid value for 'scaling.num_workers': 0 (must be auto, an integer >= 1 or [min, max] "
-        "of integers >= 1), "
+        "invalid value for 'scaling.num_workers': 0 (must be auto, an integer >= 1 and <= 100000 "
+        "or [min, max] of integers >= 1 and <= 100000), "
         "from --set scaling.num_workers=0"
     )
 
@@ -407,6 +409,130 @@ def test_set_under_a_scalar_is_an_error():
 def test_set_under_a_scalar_inside_params_is_an_error():
     message = config_error({"model": {"params": {"a": 5}}}, ["model.params.a.b=1"])
     assert "'model.params.a'" in message and "not a mapping" in message
+
+
+# --------------------------------------------------------------------------- hostile input
+
+# Nine lines whose every alias stands for ten of the line above: 10**10 values in 647 bytes.
+ALIAS_BOMB = (
+    "model:\n  params:\n    a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+    + ("".join(f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 10)))
+)
+
+
+@pytest.mark.timeout(20)
+def test_an_alias_bomb_is_refused_at_once_naming_the_file(tmp_path):
+    # loaded before, as 10**10 shared values that the first dump of the config would build
+    path = write(tmp_path, ALIAS_BOMB)
+    assert path.stat().st_size < 1000
+    message = file_error(path)
+    assert message.startswith(f"config file '{path}' is too large to load: it expands to more")
+    assert "nest fewer &anchors/*aliases" in message
+
+
+@pytest.mark.timeout(20)
+def test_an_alias_bomb_in_a_set_value_is_refused_naming_the_flag():
+    flow = ALIAS_BOMB.split("params:\n", 1)[1].replace("\n    ", ", ").strip()
+    item = f"model.params={{{flow.removeprefix('    ')}}}"
+    message = config_error({}, [item])
+    assert message.startswith(f"--set {item} is too large to load")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("model:\n  params: &a {x: *a}\n", "a *alias refers to a value that contains it"),
+        (f"model:\n  params: {{x: {'[' * 150}{']' * 150}}}\n", "more than 100 levels deep"),
+        (f"model:\n  params: {{x: {'[' * 5000}{']' * 5000}}}\n", "more than 100 levels deep"),
+        ("train: {lr: 0.1}\n" + "#" * (1 << 20), "more than 1048576 bytes"),
+    ],
+    ids=["recursive_alias", "deep", "deeper_than_python_recursion", "oversized"],
+)
+def test_hostile_yaml_is_a_one_line_error_naming_the_file(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    message = file_error(path)
+    assert message.startswith(f"config file '{path}' is too large to load") and expected in message
+
+
+def test_plain_anchors_and_merge_keys_still_load(tmp_path):
+    text = "model:\n  params:\n    base: &b {width: 8, depth: 2}\n    wide: {<<: *b, width: 16}\n"
+    params = load_config(write(tmp_path, text)).model.params
+    assert params == {"base": {"width": 8, "depth": 2}, "wide": {"width": 16, "depth": 2}}
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "train.lr",
+        "train.weight_decay",
+        "train.grad_clip",
+        "train.ema.decay",
+        "scaling.cpus_per_worker",
+        "scaling.gpus_per_worker",
+        "scaling.elastic_resize_interval_s",
+        "tune.reduction_factor",
+    ],
+)
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e400"])
+def test_a_non_finite_number_is_refused_naming_the_key(key, value):
+    # .inf passed every "> 0" bound before, and train.lr=.inf planned a run
+    message = config_error({}, [f"{key}={value}"])
+    shown = ".inf" if value == "1e400" else value
+    assert message.startswith(f"invalid value for '{key}': {shown} (must be a finite number")
+    assert message.endswith(f"from --set {key}={value}")
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("item", "shown", "allowed"),
+    [
+        (
+            "train.global_batch_size=1000000000000000000000",
+            "1000000000000000000000",
+            "<= 1000000000",
+        ),
+        ("train.global_batch_size=1e21", "1e+21", "an integer >= 1 and <= 1000000000"),
+        ("train.max_batch_per_worker=10000000000", "10000000000", "<= 1000000000"),
+        ("train.base_batch_size=10000000000", "10000000000", "<= 1000000000"),
+        ("scaling.num_workers=[1, 10000000000]", "[1, 10000000000]", "integers >= 1 and <= 100000"),
+    ],
+)
+def test_batch_and_worker_counts_are_bounded(item, shown, allowed):
+    # a batch of 10**21 was valid and hung the plan's divisor search
+    key = item.split("=")[0]
+    message = config_error({}, [item])
+    assert message.startswith(f"invalid value for '{key}': {shown} (") and allowed in message
+
+
+@pytest.mark.parametrize(
+    ("key", "uri", "redacted"),
+    [
+        ("experiment.output_dir", "s3://AKIAEXAMPLE:hunter2zz@bucket/runs", "s3://***@bucket/runs"),
+        (
+            "data.path",
+            "s3://AKIAEXAMPLE:hunter2/zz+x@bucket/d.parquet",
+            "s3://***@bucket/d.parquet",
+        ),
+        ("experiment.output_dir", "gs://token@bucket/runs", "gs://***@bucket/runs"),
+    ],
+)
+def test_a_uri_with_credentials_is_refused_without_showing_them(key, uri, redacted):
+    for message in (config_error({}, [f"{key}={uri}"]), config_error(_nested(key, uri))):
+        assert message.startswith(f"invalid value for '{key}': '{redacted}' (the URI carries")
+        assert "AWS_ACCESS_KEY_ID" in message
+        assert "hunter2" not in message and "AKIAEXAMPLE" not in message and "token" not in message
+
+
+def _nested(key: str, value: str) -> dict:
+    section, name = key.split(".")
+    return {section: {name: value}}
+
+
+def test_uris_without_credentials_are_kept():
+    cfg = config_from_dict(
+        {}, ["experiment.output_dir=s3://bucket/runs/a@b", "data.path=x.parquet"]
+    )
+    assert (cfg.experiment.output_dir, cfg.data.path) == ("s3://bucket/runs/a@b", "x.parquet")
 
 
 # --------------------------------------------------------------------------- diff and flatten

@@ -38,6 +38,21 @@ def test_a_size_that_cannot_split_the_batch_is_refused_with_a_range_that_can():
     assert "a multiple of 12 (e.g. 60 or 72)" in message and "\n" not in message
 
 
+@pytest.mark.timeout(20)
+def test_a_range_too_wide_for_any_batch_is_one_short_line():
+    # the least common multiple of 1..100000 has 43 000 digits: it took seconds, then failed
+    # with Python's int-to-str limit as a traceback, after listing 99 990 sizes
+    cfg = config_from_dict(elastic(1, 100_000, global_batch_size=64))
+    with pytest.raises(PlanError) as info:
+        make_plan(cfg, make_env(cpus=4))
+    message = str(info.value)
+    assert message.startswith("train.global_batch_size=64 cannot be split evenly over 3, 5, 6")
+    assert (
+        "and 99985 more workers" in message and "narrow it to scaling.num_workers=[1, 2]" in message
+    )
+    assert "multiple of" not in message and len(message) < 400 and "\n" not in message
+
+
 def test_a_range_without_a_valid_part_suggests_a_fixed_size_or_a_batch():
     cfg = config_from_dict(elastic(2, 8, global_batch_size=64))
     with pytest.raises(PlanError, match=r"over 3, 5, 6 or 7 workers.*a fixed scaling.num_workers"):

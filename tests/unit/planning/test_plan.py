@@ -48,6 +48,29 @@ def test_batch_split_uses_least_accumulation_under_the_cap():
     assert (split.micro_batch, split.accum_steps) == (24, 2)
 
 
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("global_batch", "world_size", "cap", "micro"),
+    [
+        (2**70, 1, None, 2**70),  # no cap: the whole share, found at once
+        (10**21, 2, 10**6, 10**6),  # a small cap that divides the share
+        (2 * 999_999_937, 2, 999_999_936, 1),  # a prime share just above the cap
+        (10**9, 1, 10**9 - 1, 5 * 10**8),
+        (3 * 999_999_937, 3, None, 999_999_937),
+    ],
+)
+def test_the_micro_batch_search_is_fast_for_huge_batches(global_batch, world_size, cap, micro):
+    # the search was linear in the batch: a global batch of 1e21 hung `raytrain plan`
+    split = plan_batch(global_batch, world_size, cap)
+    assert (split.micro_batch, split.global_batch) == (micro, global_batch)
+
+
+def test_the_micro_batch_search_finds_the_largest_divisor_under_the_cap():
+    for share, cap in itertools.product(range(1, 200), range(1, 60)):
+        expected = max(d for d in range(1, min(share, cap) + 1) if share % d == 0)
+        assert plan_batch(share, 1, cap).micro_batch == expected, (share, cap)
+
+
 def test_uneven_batch_error_suggests_nearest_valid_sizes():
     with pytest.raises(PlanError) as info:
         plan_batch(100, 3, None)

@@ -11,6 +11,7 @@ import pytest
 
 from raytrain_app.errors import BadInputError
 from raytrain_app.storage import StagingDirectory, StorageLocation, is_uri
+from raytrain_app.storage.location import has_credentials, redact_credentials
 from raytrain_app.testing.s3_server import s3_for_this_process
 
 
@@ -166,3 +167,96 @@ def test_parquet_data_in_a_bucket_resolves_by_file_prefix_and_glob(s3, tmp_path)
     assert read_table(files, ["x"]).column("x").to_pylist() == [1.0, 2.0, 1.0, 2.0]
     with pytest.raises(BadInputError, match="No Parquet files match data path"):
         resolve_paths(s3.uri("data", "none", "*.parquet"))
+
+
+# --------------------------------------------------------------------------- hostile keys
+
+
+def _put_raw(s3, *keys: str) -> None:
+    """Objects under keys that pyarrow would normalise, put as a hostile writer would."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint_url)
+    for key in keys:
+        client.put_object(Bucket=s3.bucket, Key=key, Body=b"payload")
+
+
+def _tree(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["../../../escaped/evil.txt", "sub/../../../../escaped/evil.txt", "/escaped/evil.txt", "./x"],
+    ids=["dot_dot", "dot_dot_inside", "absolute", "dot"],
+)
+def test_a_download_refuses_a_key_that_leaves_its_folder_and_writes_nothing(s3, tmp_path, key):
+    # before, '..' keys made directories outside the download folder, then a traceback
+    prefix = f"{tmp_path.name}/ckpt"  # one prefix per case
+    _put_raw(s3, f"{prefix}/model.pt", f"{prefix}/{key}")
+    checkpoint = StorageLocation.parse(s3.uri(prefix), "--checkpoint")
+    folder = tmp_path / "one" / "two" / "three"  # '../../../escaped' lands in tmp_path
+    with pytest.raises(BadInputError) as info:
+        checkpoint.download(folder)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{s3.uri(prefix)} holds the key '{s3.bucket}/{prefix}/{key}'")
+    assert "remove or rename that object" in message
+    assert _tree(tmp_path) == []
+
+
+def test_listing_and_staging_refuse_a_key_with_dot_dot(s3, tmp_path):
+    _put_raw(s3, "hostile-run/metrics.csv", "hostile-run/../escaped.csv")
+    run = StorageLocation.parse(s3.uri("hostile-run"), "experiment.output_dir")
+    with pytest.raises(BadInputError, match="holds the key 'unit/hostile-run/..'"):
+        run.list_dir(recursive=True)
+    with pytest.raises(BadInputError, match="holds the key"):
+        StagingDirectory(run)
+    with pytest.raises(BadInputError, match="holds the key '..'"):
+        run.child("..")
+
+
+def test_a_download_of_plain_keys_keeps_working(s3, tmp_path):
+    _put_raw(s3, "plain/ckpt/model.pt", "plain/ckpt/shards/a..b/x.distcp")
+    copy = StorageLocation.parse(s3.uri("plain", "ckpt"), "--checkpoint").download(tmp_path / "c")
+    assert _tree(copy) == ["model.pt", "shards", "shards/a..b", "shards/a..b/x.distcp"]
+
+
+# --------------------------------------------------------------------------- credentials
+
+SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCY"
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        f"s3://AKIAEXAMPLE:{SECRET.replace('/', '')}@unit/runs",
+        f"s3://AKIAEXAMPLE:{SECRET}@unit/runs",  # a '/' in the secret ends the host early
+        "s3://AKIAEXAMPLE@unit/runs",
+    ],
+    ids=["key_and_secret", "secret_with_a_slash", "key_only"],
+)
+@pytest.mark.parametrize("key", ["experiment.output_dir", "--checkpoint", "data.path"])
+def test_a_uri_with_credentials_is_refused_without_echoing_them(uri, key):
+    # before: accepted (then the secret showed wherever the URI did) or echoed by the error
+    with pytest.raises(BadInputError) as info:
+        StorageLocation.parse(uri, key)
+    message = str(info.value)
+    assert message.startswith(f"{key}='s3://***@unit/runs' carries credentials in the URI")
+    assert "AWS_ACCESS_KEY_ID" in message and "\n" not in message
+    assert "AKIAEXAMPLE" not in message and "wJalr" not in message
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["s3://bucket/runs/user@host/x", "hdfs://namenode:8020/data/a@b", "s3://bucket/k:v@w", "a@b:c"],
+)
+def test_an_at_sign_in_a_key_or_a_port_is_not_taken_for_credentials(text):
+    assert not has_credentials(text) and redact_credentials(text) == text
+
+
+def test_every_uri_with_credentials_in_a_text_is_redacted():
+    text = "x='s3://k:s@b/p' from --set data.path=gs://k:s/t@b/q, http://u:p@host:5000/"
+    assert redact_credentials(text) == (
+        "x='s3://***@b/p' from --set data.path=gs://***@b/q, http://***@host:5000/"
+    )

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from raytrain_app.data import parquet_windows as pw
 from raytrain_app.data import synthetic_wind as sw
+from raytrain_app.errors import BadInputError
 from raytrain_app.protocol import collate
 
 
@@ -369,3 +370,87 @@ def test_batched_fetch_through_a_subset(tmp_path):
     batch = collate(shard.__getitems__([0, 2, 1]))
     for got, want in zip(batch, default_collate([shard[0], shard[2], shard[1]]), strict=True):
         assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------- extreme values
+
+
+def _write_columns(path: Path, **columns: np.ndarray) -> Path:
+    pq.write_table(pa.table({name: pa.array(values) for name, values in columns.items()}), path)
+    return path
+
+
+_SMALL = dict(context_length=4, horizon=2, val_fraction=0.25)
+
+
+def test_a_feature_near_1e300_is_standardised_instead_of_zeroed(tmp_path):
+    # before: its standard deviation overflowed to inf and the model saw only zeros
+    rng = np.random.default_rng(0)
+    t = np.arange(40.0)
+    path = _write_columns(
+        tmp_path / "huge.parquet", feat=1e300 * (1 + rng.random(40)), target=np.sin(t)
+    )
+    splits = pw.build_windows(path, feature_columns=["feat"], target_column="target", **_SMALL)
+    assert np.isfinite(splits.info["feature_mean"] + splits.info["feature_std"]).all()
+    assert 1e299 < splits.info["feature_std"][0] < 1e300
+    features = torch.stack([splits.train[i][0][:, 0] for i in range(len(splits.train))])
+    assert torch.isfinite(features).all() and 0.5 < features.std() < 2
+
+
+def _refusal(path: Path, **kwargs) -> str:
+    with pytest.raises(BadInputError) as info:
+        pw.build_windows(path, target_column="target", **_SMALL, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_target_float32_cannot_express_is_refused_naming_column_and_file(tmp_path):
+    path = _write_columns(tmp_path / "t.parquet", feat=np.ones(40), target=1e300 * np.arange(40.0))
+    message = _refusal(path, feature_columns=["feat"])
+    assert message.startswith(f"Column 'target' of the Parquet data '{path}' is the target")
+    assert "divide the target column by a power of ten" in message
+
+
+def test_a_value_beyond_float32_after_standardising_is_refused(tmp_path):
+    feat = np.concatenate([np.random.default_rng(0).random(35), np.full(5, 1e300)])
+    path = _write_columns(tmp_path / "o.parquet", feat=feat, target=np.sin(np.arange(40.0)))
+    message = _refusal(path, feature_columns=["feat"])
+    assert message.startswith(f"Column 'feat' of the Parquet data '{path}' has values more than")
+    assert "rescale that column" in message
+
+
+def test_values_too_large_to_interpolate_between_are_refused(tmp_path):
+    feat = np.concatenate([[1.7e308, np.nan, -1.7e308], np.ones(37)])
+    path = _write_columns(tmp_path / "g.parquet", feat=feat, target=np.sin(np.arange(40.0)))
+    message = _refusal(path, feature_columns=["feat"], missing="interpolate")
+    assert message.startswith(f"Column 'feat' of the Parquet data '{path}' holds -inf after")
+
+
+def test_non_finite_statistics_of_a_checkpoint_are_refused(tmp_path):
+    path = _write_columns(tmp_path / "s.parquet", feat=np.ones(40), target=np.arange(40.0))
+    stats = {"feature_mean": [0.0], "feature_std": [float("inf")], "target_mean": 0.0}
+    message = _refusal(path, feature_columns=["feat"], stats={**stats, "target_std": 1.0})
+    assert "feature_std" in message and "must be finite numbers" in message
+
+
+def test_a_data_error_inside_a_ray_worker_reaches_the_user_as_the_same_line(tmp_path):
+    """Ray Train returns a worker's exception (pickled) in ``worker_failures``; the driver
+    turns it back into the error itself, which the CLI prints as one line with exit 2."""
+    import pickle
+
+    from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
+
+    from raytrain_app.driver.failures import user_facing_error
+
+    path = _write_columns(tmp_path / "t.parquet", feat=np.ones(40), target=1e300 * np.ones(40))
+    params = {"path": str(path), "feature_columns": ["feat"], "target_column": "target", **_SMALL}
+    with pytest.raises(BadInputError) as info:
+        pw.build(params, seed=0)  # what each worker's loader runs
+    in_worker = pickle.loads(pickle.dumps(info.value))
+    group = WorkerGroupError("worker 0 failed", {0: in_worker, 1: in_worker})
+    for raised in (group, TrainingFailedError("training failed")):
+        raised.__cause__ = None if raised is group else group
+        error = user_facing_error(raised)
+        assert isinstance(error, BadInputError) and error.exit_code == 2
+        assert str(error) == str(info.value) and "\n" not in str(error)
