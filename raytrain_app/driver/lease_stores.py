@@ -1,6 +1,10 @@
 """Where a run directory's lease lives and how it is written atomically: an exclusive
 create on a filesystem (local or shared), a conditional put on S3 (``If-None-Match`` to
-create, ``If-Match`` on the last ETag to refresh, take over or delete)."""
+create, ``If-Match`` on the last ETag to refresh, take over or delete).
+
+Every change after the create is a compare-and-swap (``replace``): a heartbeat, a takeover
+and a release all write only if the lease is still exactly what they read, so a writer that
+stalls between its read and its write cannot undo what another wrote meanwhile."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,10 +24,12 @@ from raytrain_app.errors import BadInputError
 
 logger = logging.getLogger(__name__)
 
-# The lease's name in the run directory; its helper files (.tmp, .takeover) start with it too.
+# The lease's name in the run directory; its helper files (.tmp, .lock) start with it too.
 LEASE_FILE = ".lease.json"
 
-_ABANDONED_TAKEOVER_S = 3.0  # a takeover holds its lock for a read and a write
+# The swap lock is held for a read and a write (milliseconds); one unchanged this long was
+# left by a process that died holding it.
+_ABANDONED_LOCK_S = 3.0
 
 _S3_CONFLICTS = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}
 
@@ -37,9 +44,14 @@ class LeaseRecord:
     command: str  # "train" or "tune"
     host: str
     pid: int
-    started_at: float  # seconds since the epoch
+    started_at: float  # seconds since the epoch, shown to a refused run
+    # The holder's wall clock at its last heartbeat: for people reading the file only.
+    # Staleness is never judged from it (another host's clock may be minutes off): a
+    # reader times how long the lease stays unchanged, on its own clock (run_lease).
     heartbeat_at: float
     slurm_job_id: str | None = None
+    beats: int = 0  # counts the heartbeats, so that each one changes the lease
+    heartbeat_s: float = 10.0  # the holder's interval: how long a reader waits for a change
 
     def to_bytes(self) -> bytes:
         fields: dict[str, Any] = asdict(self)
@@ -94,15 +106,15 @@ class LeaseStore(Protocol):
 
     def read(self) -> StoredLease | None: ...
 
-    def replace(self, stale: StoredLease, raw: bytes) -> bool:
-        """Put ``raw`` in place of ``stale``; False if it changed or went meanwhile."""
+    def replace(self, expected: StoredLease, raw: bytes) -> bool:
+        """Put ``raw`` in place of ``expected``, atomically, only if the lease is still
+        ``expected``; False if it changed or went meanwhile (or, on a filesystem, another
+        writer holds the lock for a moment: read again and retry)."""
         ...
 
-    def overwrite(self, current: StoredLease, raw: bytes) -> bool:
-        """Refresh our own lease, ``current``, with ``raw`` (never absent in between)."""
+    def delete(self, expected: StoredLease) -> None:
+        """Delete the lease if it is still ``expected``; otherwise leave it alone."""
         ...
-
-    def delete(self, current: StoredLease) -> None: ...
 
     def cleanup(self) -> None: ...
 
@@ -111,9 +123,10 @@ class FileLeaseStore:
     """A lease on a local or shared filesystem (NFS, Lustre, GPFS: ``O_EXCL`` is atomic).
 
     The lease file is never absent while held: heartbeats and takeovers write a new file and
-    ``os.replace`` it in. A takeover first takes a short-lived lock (``.lease.json.takeover``,
-    exclusive create), so that of two takers who both judged the lease stale only the first
-    replaces it; the second finds a fresh lease under the lock and looks again.
+    ``os.replace`` it in. A filesystem has no compare-and-swap, so every change after the
+    create takes a short-lived lock first (``.lease.json.lock``, exclusive create), then
+    compares and writes: of a taker and a heartbeat that both read one version, only the
+    first to lock writes, and the second finds the lease changed.
     """
 
     errors = (OSError,)
@@ -122,8 +135,8 @@ class FileLeaseStore:
         self.directory = directory
         self.path = directory / LEASE_FILE
         self.location = str(self.path)
-        self._takeover_lock = directory / f"{LEASE_FILE}.takeover"
-        self._busy_lock: tuple[tuple[int, int], float] | None = None  # (identity, first seen)
+        self._lock_path = directory / f"{LEASE_FILE}.lock"
+        self._busy_lock: tuple[tuple[int, bytes], float] | None = None  # (identity, first seen)
         self._made_directory = False
 
     def prepare(self) -> None:
@@ -148,24 +161,33 @@ class FileLeaseStore:
         except FileNotFoundError:
             return None
 
-    def replace(self, stale: StoredLease, raw: bytes) -> bool:
-        if not self._lock_takeover():
-            return False
-        try:
-            current = self.read()
-            if current is None or current.raw != stale.raw:
-                return False  # its owner's heartbeat, or a faster taker, came first
-            self._write_in_place(raw)
+    def replace(self, expected: StoredLease, raw: bytes) -> bool:
+        with self._locked() as nonce:
+            if nonce is None or not self._still(expected):
+                return False  # the owner's heartbeat, a taker or another writer came first
+            tmp = self.path.with_name(f"{LEASE_FILE}.{uuid.uuid4().hex}.tmp")
+            tmp.write_bytes(raw)
+            # A stall since the lock was taken, long enough for a taker to judge the lock
+            # abandoned and take it, must not end in our write over theirs.
+            if not self._holds(nonce):
+                tmp.unlink(missing_ok=True)
+                return False
+            os.replace(tmp, self.path)
             return True
-        finally:
-            self._takeover_lock.unlink(missing_ok=True)
 
-    def overwrite(self, current: StoredLease, raw: bytes) -> bool:
-        self._write_in_place(raw)
-        return True
-
-    def delete(self, current: StoredLease) -> None:
-        self.path.unlink(missing_ok=True)
+    def delete(self, expected: StoredLease) -> None:
+        # Retried while another writer holds the lock (or until it is judged abandoned):
+        # a lease left behind would make the next run wait for it to go stale.
+        deadline = time.monotonic() + _ABANDONED_LOCK_S + 1.0
+        while True:
+            with self._locked() as nonce:
+                if nonce is not None:
+                    if self._still(expected) and self._holds(nonce):
+                        self.path.unlink(missing_ok=True)
+                    return
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
     def cleanup(self) -> None:
         """Remove the run directory again if the lease made it and nothing else was written."""
@@ -173,33 +195,58 @@ class FileLeaseStore:
             with contextlib.suppress(OSError):
                 self.directory.rmdir()
 
-    def _write_in_place(self, raw: bytes) -> None:
-        tmp = self.path.with_name(f"{LEASE_FILE}.{uuid.uuid4().hex}.tmp")
-        tmp.write_bytes(raw)
-        os.replace(tmp, self.path)
+    def _still(self, expected: StoredLease) -> bool:
+        current = self.read()
+        return current is not None and current.raw == expected.raw
 
-    def _lock_takeover(self) -> bool:
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[bytes | None]:
+        """Hold the lock for the body: yields its nonce, or None when another holds it."""
+        nonce = uuid.uuid4().hex.encode()
         try:
-            os.close(os.open(self._takeover_lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            return True
+            fd = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             self._remove_abandoned_lock()
+            yield None
+            return
+        with os.fdopen(fd, "wb") as file:
+            file.write(nonce)
+        try:
+            yield nonce
+        finally:
+            if self._holds(nonce):  # a taker may have judged it abandoned: then it is theirs
+                self._lock_path.unlink(missing_ok=True)
+
+    def _holds(self, nonce: bytes) -> bool:
+        try:
+            return self._lock_path.read_bytes() == nonce
+        except FileNotFoundError:
             return False
 
     def _remove_abandoned_lock(self) -> None:
-        """Remove a takeover lock left by a taker that died holding it (held for milliseconds
-        otherwise). Timed by this process's clock: a shared filesystem's mtimes may be skewed."""
-        try:
-            stat = os.stat(self._takeover_lock)
-        except FileNotFoundError:
+        """Remove a lock left by a writer that died holding it (held for milliseconds
+        otherwise). Timed by this process's clock on the lock's unchanged identity (its
+        nonce: inode numbers are reused), never by its mtime: a shared filesystem's clock
+        may be skewed."""
+        identity = self._lock_identity()
+        if identity is None:
             return
-        identity, now = (stat.st_ino, stat.st_mtime_ns), time.monotonic()
+        now = time.monotonic()
         if self._busy_lock is None or self._busy_lock[0] != identity:
             self._busy_lock = (identity, now)
-        elif now - self._busy_lock[1] > _ABANDONED_TAKEOVER_S:
-            logger.warning("removing the abandoned takeover lock %s", self._takeover_lock)
-            self._takeover_lock.unlink(missing_ok=True)
+        elif now - self._busy_lock[1] > _ABANDONED_LOCK_S:
+            # Another taker may have removed it and locked anew since we looked.
+            if self._lock_identity() == identity:
+                logger.warning("removing the abandoned lease lock %s", self._lock_path)
+                self._lock_path.unlink(missing_ok=True)
             self._busy_lock = None
+
+    def _lock_identity(self) -> tuple[int, bytes] | None:
+        try:
+            with open(self._lock_path, "rb") as file:
+                return os.fstat(file.fileno()).st_ino, file.read()
+        except FileNotFoundError:
+            return None
 
 
 class S3LeaseStore:
@@ -254,15 +301,12 @@ class S3LeaseStore:
             raise
         return StoredLease(found["Body"].read(), found["ETag"], found["LastModified"].timestamp())
 
-    def replace(self, stale: StoredLease, raw: bytes) -> bool:
-        return self._put(raw, IfMatch=stale.version)
+    def replace(self, expected: StoredLease, raw: bytes) -> bool:
+        return self._put(raw, IfMatch=expected.version)
 
-    def overwrite(self, current: StoredLease, raw: bytes) -> bool:
-        return self._put(raw, IfMatch=current.version)
-
-    def delete(self, current: StoredLease) -> None:
+    def delete(self, expected: StoredLease) -> None:
         try:
-            self._s3.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=current.version)
+            self._s3.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=expected.version)
         except self._client_error as exc:
             if self._code(exc) in _S3_CONFLICTS | _S3_MISSING:
                 return  # no longer ours (or gone): not ours to delete

@@ -2,8 +2,10 @@
 
 One zero-CPU actor per run. Rank 0 pushes fire-and-forget progress snapshots to it and
 polls it for a stop request between steps; a driver thread draws the progress bar from
-it and passes the driver's stop request (a signal) on. It is a Ray actor, not a file, so
-it reaches workers on every node whatever storage the run directory is on.
+it and passes the driver's stop request (a signal) on, and the news that the run lost the
+lease of its run directory (the workers then stop without writing another checkpoint).
+It is a Ray actor, not a file, so it reaches workers on every node whatever storage the
+run directory is on.
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_app.driver.progress import progress_for
+from raytrain_app.worker.stop_request import lease_lost
 
 _POLL_INTERVAL_S = 0.5
 
 
 @ray.remote(num_cpus=0)
 class RunControl:
-    """Holds rank 0's latest progress snapshot and whether the driver asked to stop."""
+    """Holds rank 0's latest progress snapshot and what the driver asked of the workers."""
 
     def __init__(self) -> None:
         self._latest: dict[str, Any] = {}
         self._stop = False
+        self._lease_lost: str | None = None
 
     def update(self, **fields: Any) -> None:
         self._latest = fields
@@ -36,18 +40,24 @@ class RunControl:
     def request_stop(self) -> None:
         self._stop = True
 
-    def stop_requested(self) -> bool:
-        return self._stop
+    def lose_lease(self, why: str) -> None:
+        self._lease_lost = why
+
+    def requests(self) -> tuple[bool, str | None]:
+        """Whether to checkpoint and stop; and why to stop writing at once, if so."""
+        return self._stop, self._lease_lost
 
 
 class DriverControl:
     """Context manager: the run's control actor and a driver thread that draws the bar
-    (when ``progress``) and sends the stop request once ``stop`` is set."""
+    (when ``progress``), sends the stop request once ``stop`` is set and tells the workers
+    when the run directory's lease, held around this, was lost."""
 
     def __init__(self, progress: bool = True) -> None:
         self.progress = progress
         self.stop = threading.Event()  # set by the signal handlers (driver.signals)
         self.actor = None
+        self._lease_lost = lease_lost.get()  # the lease this run holds (driver.run_lease)
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -68,18 +78,32 @@ class DriverControl:
 
     def _run(self) -> None:
         bars = progress_for() if self.progress else None
-        sent = False
+        sent = lost = False
         try:
             while not self._done.wait(_POLL_INTERVAL_S):
                 if self.stop.is_set() and not sent:
                     self.actor.request_stop.remote()
                     sent = True
+                why = self._lease_lost() if self._lease_lost and not lost else None
+                if why:
+                    self.actor.lose_lease.remote(why)
+                    lost = True
                 if bars is not None:
-                    snap = ray.get(self.actor.snapshot.remote())
-                    if snap:
-                        bars.show(snap)
-        except Exception:  # the bar is a convenience: never fail the run over it
+                    bars = self._draw(bars)
+        except Exception:  # an actor gone with the run: nothing left to tell it
             pass
         finally:
             if bars is not None:
                 bars.close()
+
+    def _draw(self, bars: Any) -> Any:
+        """Show the latest snapshot; the bars, or None once drawing failed: the bar is a
+        convenience, never a reason to fail the run or to stop passing requests on."""
+        try:
+            snap = ray.get(self.actor.snapshot.remote())
+            if snap:
+                bars.show(snap)
+            return bars
+        except Exception:
+            bars.close()
+            return None

@@ -41,3 +41,24 @@ def stop_on_signals(stop: threading.Event) -> Iterator[list[str]]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextmanager
+def sigterm_exits_through_finally() -> Iterator[None]:
+    """Where SIGTERM would kill the process outright, make it exit through ``finally`` blocks
+    instead, so that the run directory's lease is released (``stop_on_signals``, installed
+    inside, takes precedence while the run trains)."""
+    in_main = threading.current_thread() is threading.main_thread()
+    if not in_main or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def exit_on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is exit_on_sigterm:  # not replaced by someone else
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)

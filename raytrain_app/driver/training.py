@@ -24,7 +24,7 @@ from raytrain_app.driver.failures import user_facing_error
 from raytrain_app.driver.local_run import local_processes_config, run_local, torchrun_rank
 from raytrain_app.driver.ray_connection import ray_session
 from raytrain_app.driver.run_directory import RunDirectory
-from raytrain_app.driver.run_lease import hold_run_lease, refuse_if_held
+from raytrain_app.driver.run_lease import check_lease_held, hold_run_lease, refuse_if_held
 from raytrain_app.driver.shared_storage import check_shared
 from raytrain_app.driver.trainer import run_trainer
 from raytrain_app.errors import BadInputError, RunStoppedError, first_line
@@ -207,12 +207,16 @@ def train(
         # An object store is the same store on every node; local mode runs on this one.
         if run_dir.location.is_local and not local:
             check_shared(run_dir.location.local_path.parent, resolved.experiment.output_dir)
-        resuming = run_dir.check_resumable(resolved)
-        # One writer at a time; a second train or tune of this directory exits 2 here.
+        run_dir.check_resumable(resolved)
+        # One writer at a time; a second train or tune of this directory exits 2 here. A
+        # run that loses the lease stops its workers and exits 1 without writing more.
         with hold_run_lease(run_dir.location.uri, "train"):
+            # Again under the lease: of two runs that both passed it, only one gets here.
+            resuming = run_dir.check_resumable(resolved)
             result, stop_signal = _run(
                 resolved, run_dir, plan, resuming, cluster_env, progress, local
             )
+            check_lease_held()  # no summary from a run that lost its directory meanwhile
             summary = _summary(result, plan, time.perf_counter() - start, run_dir.at("checkpoints"))
             summary.update(_best_summary(run_dir, resolved))
             run_dir.write_summary(summary)
