@@ -67,21 +67,31 @@ def train(config=None, *, overrides=(), address=None, progress=True, local=False
     return _train(cfg, address=address, progress=progress, local=local)
 
 
-def tune(config=None, *, overrides=(), address=None):
-    """Run the sweep of ``config.tune`` (default: the built-in wind sweep); a TuneResult."""
+def tune(config=None, *, overrides=(), address=None, trust_code=False):
+    """Run the sweep of ``config.tune`` (default: the built-in wind sweep); a TuneResult.
+
+    ``trust_code=True``: resume a sweep whose Tune state is not provably yours (in a
+    bucket); Tune unpickles it.
+    """
     from raytrain_app.config import BUILTIN_SWEEP
     from raytrain_app.sweep.tuning import tune_sweep
 
     if config is None:
-        return tune_sweep(load_config(None, overrides, builtin=BUILTIN_SWEEP), address=address)
-    return tune_sweep(_as_config(config, overrides), address=address)
+        cfg = load_config(None, overrides, builtin=BUILTIN_SWEEP)
+    else:
+        cfg = _as_config(config, overrides)
+    return tune_sweep(cfg, address=address, trust_code=trust_code)
 
 
-def submit(command, *, address=None, working_dir=".", wait=True):
-    """Submit ``raytrain <command>`` as a Ray job; see raytrain_app.jobs.submit."""
+def submit(command, *, address=None, working_dir=".", wait=True, env_vars=()):
+    """Submit ``raytrain <command>`` as a Ray job; see raytrain_app.jobs.submit.
+
+    ``env_vars``: names of this process's environment variables the job gets (nothing
+    else of it goes along but S3 credentials, when the run or its data is in S3).
+    """
     from raytrain_app.jobs import submit as _submit
 
-    return _submit(command, address=address, working_dir=working_dir, wait=wait)
+    return _submit(command, address=address, working_dir=working_dir, wait=wait, env_vars=env_vars)
 
 
 def plan(config=None, *, overrides=(), address=None):

@@ -29,6 +29,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see '{self.prog} --help'\n")
 
 
+class _SubmittedCommandParser(_Parser):
+    """The parser of the command ``raytrain submit`` sends: what it refuses raises, so the
+    job is refused before it is sent, and it prints nothing (no help or version text)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise BadInputError(
+            f"{message} in the command after 'raytrain submit --'; see '{self.prog} --help'"
+        )
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        raise BadInputError(
+            f"--help and --version are not for a job; run '{self.prog} --help' here, then "
+            f"submit the command itself"
+        )
+
+    def _print_message(self, message: str, file: object = None) -> None:
+        pass
+
+
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", "-c", metavar="PATH", help="YAML config (default: the built-in quickstart)"
@@ -65,6 +84,16 @@ def _add_submit_flags(submit: argparse.ArgumentParser) -> None:
         default=".",
         metavar="D",
         help="directory sent with the job, its working directory (default: the current one)",
+    )
+    submit.add_argument(
+        "--env-var",
+        dest="env_vars",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="give the job this shell's variable NAME (repeatable); nothing else of this "
+        "shell goes along but the AWS credential, region and endpoint variables, when the "
+        "run directory or data.path is in S3",
     )
     submit.add_argument(
         "raytrain_args",
@@ -110,6 +139,22 @@ def _add_predict_flags(predict: argparse.ArgumentParser) -> None:
         metavar="PARQUET",
         help="where to write predictions (default: %(default)s)",
     )
+    predict.add_argument(
+        "--config",
+        "-c",
+        metavar="PATH",
+        help="your config: the model and data factories it names may be called",
+    )
+    _add_trust_flag(
+        predict,
+        "call the model and data factories the checkpoint names even if they are not built "
+        "in: only for run directories whose writers you trust (a checkpoint is data)",
+    )
+
+
+def _add_trust_flag(parser: argparse.ArgumentParser, text: str) -> None:
+    """``--trust-code``: every command that loads what a run directory holds takes it."""
+    parser.add_argument("--trust-code", action="store_true", help=text)
 
 
 def _versions() -> str:
@@ -140,8 +185,8 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentParser:
+    parser = parser_class(
         prog="raytrain", description="Data-parallel PyTorch training on Ray, laptop to SLURM."
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
@@ -175,12 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune = commands.add_parser("tune", help="hyperparameter sweep of single-worker trials")
     _add_config_flags(tune)
+    _add_trust_flag(
+        tune,
+        "resume a sweep whose saved Tune state (which Tune unpickles) is in a bucket or not "
+        "provably yours: only if you trust everyone who can write there",
+    )
 
     submit = commands.add_parser(
         "submit",
         help="run train or tune as a Ray job on a cluster",
-        usage="raytrain submit [--address URL] [--no-wait] [--working-dir D] -- "
-        "train|tune [ARGS ...]",
+        usage="raytrain submit [--address URL] [--no-wait] [--working-dir D] "
+        "[--env-var NAME ...] -- train|tune [ARGS ...]",
     )
     _add_submit_flags(submit)
     _add_jobs_actions(commands.add_parser("jobs", help="manage submitted jobs"))
@@ -351,7 +401,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, builtin=BUILTIN_SWEEP)  # as in plan
     from raytrain_app.sweep.tuning import tune_sweep
 
-    result = tune_sweep(cfg, address=args.address)
+    result = tune_sweep(cfg, address=args.address, trust_code=args.trust_code)
     metric = cfg.tune.metric
     print(result.trials.drop(columns=["error"]).to_string(index=False, float_format="%.4g"))
     failed = result.trials[result.trials["status"] == "error"]
@@ -369,7 +419,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 def _cmd_predict(args: argparse.Namespace) -> int:
     from raytrain_app.predict import predict
 
-    output = predict(args.checkpoint, args.input, args.output)
+    config = load_config(args.config, ()) if args.config else None
+    output = predict(
+        args.checkpoint, args.input, args.output, trust_code=args.trust_code, config=config
+    )
     print(f"predictions written to {output}")
     return 0
 
@@ -379,7 +432,13 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
     command = args.raytrain_args
     command = command[1:] if command[:1] == ["--"] else command
-    job_id = jobs.submit(command, address=args.address, working_dir=args.working_dir, wait=False)
+    job_id = jobs.submit(
+        command,
+        address=args.address,
+        working_dir=args.working_dir,
+        wait=False,
+        env_vars=args.env_vars,
+    )
     where = f" --address {args.address}" if args.address else ""
     if args.no_wait:
         print(job_id)
@@ -396,6 +455,18 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         return 130
     print(f"job {job_id} {status}")
     return 0 if status == "SUCCEEDED" else 1
+
+
+def parse_submitted_command(command: Sequence[str]) -> argparse.Namespace:
+    """Parse the raytrain command ``raytrain submit`` sends as ``raytrain`` will on the
+    cluster; what it would refuse raises BadInputError."""
+    args, unknown = build_parser(_SubmittedCommandParser).parse_known_args(list(command))
+    if unknown:  # named here with the command's own --help, not raytrain's
+        raise BadInputError(
+            f"unrecognized arguments: {' '.join(unknown)} in the command after 'raytrain "
+            f"submit --'; see 'raytrain {args.command} --help'"
+        )
+    return args
 
 
 def _cmd_jobs(args: argparse.Namespace) -> int:

@@ -3,11 +3,19 @@
 Everything goes through Ray's ``JobSubmissionClient``: the working directory (with the
 config and any user code in it) travels as the job's ``runtime_env`` and the entrypoint
 is the same ``raytrain`` command, run on the head node.
+
+A job's runtime env is readable by anyone holding the cluster's token (the dashboard shows
+it), so it carries only the variables the user names (``--env-var``) and, when the run
+directory or the data is in S3, the AWS variables that authenticate and locate the store.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import logging
+import os
+import re
 import shlex
 import sys
 import threading
@@ -17,15 +25,15 @@ from typing import Any
 
 from raytrain_app.driver.reachability import check_reachable
 from raytrain_app.errors import BadInputError, first_line
-from raytrain_app.planning.environment import (
-    enable_client_token_auth,
-    job_server_address,
-    storage_env_vars,
-)
+from raytrain_app.planning.environment import enable_client_token_auth, job_server_address
+
+logger = logging.getLogger(__name__)
 
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 SUBMITTABLE = ("train", "tune")
-# Never worth uploading: environments, VCS data, earlier runs, caches.
+# Never uploaded: environments, VCS data, earlier runs and caches are not worth it; token
+# files and dotenv files are secrets (cluster/README.md keeps the cluster token in
+# cluster/ray-token), and the job's files are readable on the head by whoever holds the token.
 _EXCLUDES = [
     ".git",
     ".venv",
@@ -36,7 +44,29 @@ _EXCLUDES = [
     ".pytest_cache",
     ".ruff_cache",
     ".ipynb_checkpoints",
+    "ray-token",
+    "*.token",
+    "auth_token",
+    ".env",
+    ".env.*",
+    ".envrc",
 ]
+# What a job gets without asking when the run directory or the data is in S3: the variables
+# that authenticate and locate the store. Never the AWS variables that name files or profiles
+# of this machine (AWS_PROFILE, AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE, AWS_CA_BUNDLE):
+# on the cluster they name nothing, or override the cluster's own access.
+S3_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+)
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A scheme of two or more letters, so that a Windows drive (C:\runs) stays a path.
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 def _client(address: str | None) -> Any:
@@ -87,26 +117,142 @@ def _job_call(address: str | None, job_id: str, method: str, *args: Any) -> Any:
         raise
 
 
-def _relative_config(command: list[str], working_dir: Path) -> list[str]:
-    """Rewrite ``--config PATH`` relative to the working dir the job will run in."""
-    rewritten = list(command)
-    for i, arg in enumerate(rewritten[:-1]):
-        if arg in ("--config", "-c"):
-            path = Path(rewritten[i + 1]).expanduser().resolve()
-            if not path.is_file():
-                raise BadInputError(
-                    f"--config '{rewritten[i + 1]}' does not exist; pass an existing YAML file "
-                    f"inside the working directory sent with the job"
-                )
-            try:
-                rewritten[i + 1] = str(path.relative_to(working_dir))
-            except ValueError:
-                raise BadInputError(
-                    f"--config '{rewritten[i + 1]}' is outside the working directory "
-                    f"'{working_dir}' that is sent with the job; move it there or pass "
-                    f"--working-dir"
-                ) from None
-    return rewritten
+def _parse(command: Sequence[str]) -> argparse.Namespace:
+    """``command`` parsed as ``raytrain`` will parse it on the cluster (any spelling argparse
+    accepts); a flag it would refuse is refused here, before anything is sent."""
+    from raytrain_app.cli import parse_submitted_command
+
+    return parse_submitted_command(command)
+
+
+def _config_replaced(args: Sequence[str], path: str) -> list[str]:
+    """``args`` with each ``--config``/``-c`` and its value replaced by ``--config path``, in
+    place, in each spelling argparse takes: ``--config P``, ``--config=P``, a prefix such as
+    ``--conf P``, ``-c P``, ``-cP``, ``-c=P``."""
+    replaced: list[str] = []
+    value_follows = False
+    for arg in args:
+        if value_follows:
+            value_follows = False
+            continue
+        name = arg.split("=", 1)[0]
+        if arg == "-c" or (len(name) > 2 and "--config".startswith(name)):
+            value_follows = "=" not in arg
+            replaced += ["--config", path]
+        elif arg.startswith("-c"):
+            replaced += ["--config", path]
+        else:
+            replaced.append(arg)
+    return replaced
+
+
+def _job_config_path(config: str, working_dir: Path) -> str:
+    """``--config``'s path relative to the working dir the job runs in."""
+    path = Path(config).expanduser().resolve()
+    if not path.is_file():
+        raise BadInputError(
+            f"--config '{config}' does not exist; pass an existing YAML file inside the "
+            f"working directory sent with the job"
+        )
+    try:
+        return str(path.relative_to(working_dir))
+    except ValueError:
+        raise BadInputError(
+            f"--config '{config}' is outside the working directory '{working_dir}' that is "
+            f"sent with the job; move it there or pass --working-dir"
+        ) from None
+
+
+def _job_command(command: list[str], working_dir: Path) -> tuple[list[str], argparse.Namespace]:
+    """The command the job runs, its ``--config`` rewritten relative to ``working_dir``, and
+    the command as parsed here."""
+    parsed = _parse(command)
+    if parsed.config is None:
+        return command, parsed
+    relative = _job_config_path(parsed.config, working_dir)
+    rewritten = [command[0], *_config_replaced(command[1:], relative)]
+    # What the job will parse must be what was checked here, whatever the spelling.
+    if vars(_parse(rewritten)) != {**vars(parsed), "config": relative}:
+        raise BadInputError(
+            "cannot rewrite the command's --config for the job; write it as --config PATH"
+        )
+    return rewritten, parsed
+
+
+def _named_variables(names: Sequence[str]) -> dict[str, str]:
+    """The variables of this shell that ``--env-var`` names."""
+    named = {}
+    for name in names:
+        if "=" in name:
+            # The value is not echoed: it may well be a secret.
+            shown = name.split("=", 1)[0]
+            raise BadInputError(
+                f"--env-var takes a variable's name, not '{shown}=...'; export {shown} "
+                f"in this shell and pass --env-var {shown}"
+            )
+        if not _VARIABLE_NAME.fullmatch(name):
+            raise BadInputError(
+                f"--env-var {name!r} is not a variable name; pass the name of a variable set "
+                f"in this shell (letters, digits and '_')"
+            )
+        if name not in os.environ:
+            raise BadInputError(
+                f"--env-var {name} is not set in this shell; export {name} first, or drop "
+                f"--env-var {name}"
+            )
+        named[name] = os.environ[name]
+    return named
+
+
+def _store_variables(locations: dict[str, str | None]) -> dict[str, str]:
+    """What the job needs of this shell to reach the stores ``locations`` (config key ->
+    path or URI) are in: S3's variables when one is in S3, nothing for any other store."""
+    schemes = {}
+    for key, where in locations.items():
+        match = _URI.match(where or "")
+        if match and match[1].lower() != "file":
+            schemes[key] = match[1].lower()
+    on_s3 = [key for key, scheme in schemes.items() if scheme == "s3"]
+    found = {name: os.environ[name] for name in S3_VARIABLES if name in os.environ}
+    if on_s3 and found:
+        logger.info("%s in S3: the job gets this shell's %s", " and ".join(on_s3), ", ".join(found))
+    elif on_s3:
+        logger.info(
+            "%s in S3 and no AWS variables set here: the job uses the cluster's own S3 access",
+            " and ".join(on_s3),
+        )
+    _log_other_stores({key: scheme for key, scheme in schemes.items() if scheme != "s3"})
+    return found if on_s3 else {}
+
+
+def _log_other_stores(schemes: dict[str, str]) -> None:
+    """Say that a store other than S3 gets no credentials from here, and how to send some."""
+    for key, scheme in schemes.items():
+        # gs://: GOOGLE_APPLICATION_CREDENTIALS names a file on this machine, not the cluster.
+        store = "Google Cloud Storage" if scheme in ("gs", "gcs") else f"{scheme}://"
+        logger.info(
+            "%s is in %s: no credentials go with the job, which uses the cluster's own; pass "
+            "--env-var NAME for a variable it needs",
+            key,
+            store,
+        )
+
+
+def _job_variables(parsed: argparse.Namespace, names: Sequence[str]) -> dict[str, str]:
+    """The job's environment variables: those named, and what its stores need."""
+    from raytrain_app.config import BUILTIN_SWEEP, load_config
+
+    named = _named_variables(names)
+    config = Path(parsed.config).expanduser().resolve() if parsed.config else None
+    if parsed.command == "tune":
+        cfg = load_config(config, parsed.overrides, builtin=BUILTIN_SWEEP)
+    else:
+        cfg = load_config(config, parsed.overrides)
+    stores = {"experiment.output_dir": cfg.experiment.output_dir, "data.path": cfg.data.path}
+    variables = {**_store_variables(stores), **named}
+    if named:
+        logger.info("the job gets this shell's %s (--env-var)", ", ".join(named))
+    return variables
 
 
 def submit(
@@ -116,6 +262,7 @@ def submit(
     working_dir: str = ".",
     wait: bool = True,
     write: Callable[[str], Any] | None = None,
+    env_vars: Sequence[str] = (),
 ) -> str:
     """Submit ``raytrain <command>`` as a Ray job; return its id.
 
@@ -125,6 +272,9 @@ def submit(
             RAY_ADDRESS.
         working_dir: uploaded with the job and used as its working directory.
         wait: stream the job's logs through ``write`` (default: stdout) until it ends.
+        env_vars: names of variables of this process that the job gets too. Without them it
+            gets only the S3 variables its run directory or data needs (names logged, never
+            values).
     """
     command = list(command)
     if not command or command[0] not in SUBMITTABLE:
@@ -138,16 +288,12 @@ def submit(
             f"--working-dir '{working_dir}' is not a directory; pass the directory to send "
             f"with the job (default: the current one)"
         )
-    command = _relative_config(command, root)
+    command, parsed = _job_command(command, root)
+    variables = _job_variables(parsed, env_vars)
     client = _client(address)
     job_id = client.submit_job(
         entrypoint=shlex.join(["raytrain", *command]),
-        runtime_env={
-            "working_dir": str(root),
-            "excludes": _EXCLUDES,
-            # An object-store run directory: the job reaches it with this machine's AWS_*.
-            "env_vars": storage_env_vars(),
-        },
+        runtime_env={"working_dir": str(root), "excludes": _EXCLUDES, "env_vars": variables},
         metadata={"submitted_by": "raytrain"},
     )
     if wait:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
+import glob
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,25 +15,75 @@ import torch
 from torch.utils.data import DataLoader
 
 from raytrain_app.checkpoint.loading import load_model_spec
+from raytrain_app.checkpoint.trust import CodeTrust, checked_factory
+from raytrain_app.config import RaytrainConfig
+from raytrain_app.data.parquet_source import resolve_paths
 from raytrain_app.errors import BadInputError
+from raytrain_app.storage import is_uri
 from raytrain_app.workloads import FactoryRef, build_data
 
 _PARQUET_FACTORY = "raytrain_app.data.parquet_windows:build"
 
 
-def _input_data(meta: dict, input_path: str | None) -> FactoryRef:
-    ref = FactoryRef(**meta["data_factory"])
+def _input_data(data_ref: FactoryRef, input_path: str | None) -> FactoryRef:
     if input_path is None:
-        return ref
-    if ref.target != _PARQUET_FACTORY:
+        return data_ref
+    if data_ref.target != _PARQUET_FACTORY:
         raise BadInputError(
             "--input needs a model trained on Parquet data (data.name: synthetic_wind or "
             "data.path); this checkpoint's data is not Parquet, so predict on its validation "
             "set instead (leave out --input)"
         )
-    if not Path(input_path).exists():
+    if not is_uri(input_path) and not Path(input_path).exists():
         raise BadInputError(f"--input '{input_path}' does not exist; pass a Parquet file")
-    return replace(ref, params={**ref.params, "path": input_path})
+    return replace(data_ref, params={**data_ref.params, "path": input_path})
+
+
+def check_output(output_path: str | Path) -> Path:
+    """``--output`` as a file that can be written: its folder exists, it is no folder.
+
+    Checked before the model is loaded or any prediction computed.
+    """
+    output = Path(output_path).expanduser()
+    if output.is_dir():
+        raise BadInputError(f"--output '{output_path}' is a folder; name a .parquet file")
+    if not output.parent.is_dir():
+        raise BadInputError(
+            f"--output '{output_path}': the folder '{output.parent}' does not exist; create "
+            f"it or write the predictions elsewhere"
+        )
+    return output
+
+
+def refuse_overwriting_data(output: Path, data_ref: FactoryRef, from_input: bool) -> None:
+    """Refuse an ``--output`` that is the Parquet data predictions are made from, however it
+    is spelled (relative, through a link, by another name of the file), or that would join
+    it (a file in a data folder, or one a data glob matches).
+
+    ``from_input``: the data is ``--input``'s (else the data the checkpoint trained on).
+    """
+    path = data_ref.params.get("path") if data_ref.target == _PARQUET_FACTORY else None
+    if path is None:
+        return
+    given = [path] if isinstance(path, str) else list(path)
+    local = [p for p in given if isinstance(p, str) and not is_uri(p)]
+    target = output.resolve()
+    folders = [Path(p).expanduser().resolve() for p in local if Path(p).expanduser().is_dir()]
+    files = [f for f in resolve_paths(local) if isinstance(f, Path)] if local else []
+    patterns = [str(Path(p).expanduser().absolute()) for p in local if glob.has_magic(p)]
+    same_file = output.exists() and any(os.path.samefile(output, f) for f in files)
+    if not (
+        same_file
+        or target in {f.resolve() for f in files}
+        or any(target.is_relative_to(folder) for folder in folders)
+        or any(fnmatch.fnmatch(str(output.absolute()), p) for p in patterns)
+    ):
+        return
+    data = "the --input file" if from_input else f"the data the checkpoint trained on ({path})"
+    raise BadInputError(
+        f"--output '{output}' is {data} (or would become part of it) and would overwrite "
+        f"it; write the predictions to another file"
+    )
 
 
 def _columns(values: np.ndarray) -> np.ndarray:
@@ -43,26 +96,30 @@ def predict(
     input_path: str | None = None,
     output_path: str | Path = "predictions.parquet",
     batch_size: int = 256,
+    *,
+    trust_code: bool = False,
+    config: RaytrainConfig | dict | str | Path | None = None,
 ) -> Path:
     """Predict the validation windows of the training data (or of ``input_path``).
 
     Writes a Parquet table with one row per sample: ``pred_<k>`` and ``true_<k>`` for each
     output ``k`` (a forecaster's horizon steps, in the data's original units; a classifier's
     one predicted class and label). Batches are made by the data's ``collate`` if it has
-    one, and their targets are ``batch[1]``. Returns the output path.
+    one, and their targets are ``batch[1]``. Returns the output path. ``trust_code`` and
+    ``config``: which factories the checkpoint names may be called (``load_model``).
     """
-    if input_path is not None and Path(input_path).resolve() == Path(output_path).resolve():
-        raise BadInputError(
-            f"--output '{output_path}' is the --input file and would overwrite it; write the "
-            f"predictions to another file"
-        )
-    spec, meta = load_model_spec(checkpoint)
-    ref = _input_data(meta, input_path)
+    output = check_output(output_path)
+    trust = CodeTrust.from_config(config, trust_code)
+    loaded = load_model_spec(checkpoint, trust=trust)
+    data_ref = checked_factory(loaded.data_factory, trust, loaded.meta_file, loaded.run_root)
+    ref = _input_data(data_ref, input_path)
+    refuse_overwriting_data(output, ref, from_input=input_path is not None)
+    spec, meta = loaded.spec, loaded.meta
     if ref.target == _PARQUET_FACTORY:
         # Inputs are standardised with the training statistics, never the new file's own.
         ref = replace(ref, params={**ref.params, "stats": meta["data_info"]})
     # The run's seed: generated data (synthetic images) is then the run's validation set.
-    splits = build_data(ref, meta.get("config", {}).get("experiment", {}).get("seed", 0))
+    splits = build_data(ref, _seed(meta))
     predict_fn = spec.predict or (lambda m, batch: m(batch[0]))
     predictions, truths = [], []
     with torch.no_grad():
@@ -76,6 +133,18 @@ def predict(
         true = true * info.get("target_std", 1.0) + info.get("target_mean", 0.0)
     columns = {f"pred_{k}": pred[:, k] for k in range(pred.shape[1])}
     columns.update({f"true_{k}": true[:, k] for k in range(true.shape[1])})
-    output = Path(output_path)
     pq.write_table(pa.table(columns), output)
     return output
+
+
+def _seed(meta: dict) -> int:
+    """The run's ``experiment.seed`` from meta.json's resolved config (0 if absent)."""
+    config = meta.get("config")
+    experiment = config.get("experiment") if isinstance(config, dict) else None
+    seed = experiment.get("seed", 0) if isinstance(experiment, dict) else 0
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise BadInputError(
+            f"meta.json's config.experiment.seed is {seed!r}, not an integer; it was edited: "
+            f"use a checkpoint written by raytrain"
+        )
+    return seed

@@ -10,10 +10,10 @@ import contextlib
 import logging
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from raytrain_app.checkpoint.ranking import best_of_run, metas_newest_first
@@ -25,13 +25,16 @@ from raytrain_app.checkpoint.store import (
     MODEL_FILE,
     DamagedCheckpointError,
     checkpoints_newest_first,
+    load_tensors,
     read_meta,
     verify_checkpoint,
 )
+from raytrain_app.checkpoint.trust import CodeTrust, checked_factory, inference_meta
+from raytrain_app.config import RaytrainConfig
 from raytrain_app.errors import BadInputError
 from raytrain_app.protocol import ModelSpec
 from raytrain_app.storage import StorageLocation, is_uri
-from raytrain_app.workloads import FactoryRef, build_model
+from raytrain_app.workloads import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -146,17 +149,37 @@ def _weights_file(directory: Path, weights: str, shown: Path | str) -> str:
     return EMA_FILE if has_ema and weights != "raw" else MODEL_FILE
 
 
-def load_model_spec(path: str | Path, weights: str = "auto") -> tuple[ModelSpec, dict[str, Any]]:
-    """The trained model's ``ModelSpec`` (weights loaded, CPU, eval mode) and its metadata.
+@dataclass
+class LoadedModel:
+    """A checkpoint's model rebuilt, with what ``predict`` needs of the checkpoint."""
+
+    spec: ModelSpec  # weights loaded, CPU, eval mode
+    meta: dict[str, Any]  # meta.json, its factories and data info validated as data
+    data_factory: Any  # meta.json's data factory entry, to pass to ``checked_factory``
+    meta_file: str  # where meta.json was read, for messages
+    run_root: Path | None  # the run directory holding it, whose code is never imported
+
+
+def load_model_spec(
+    path: str | Path, weights: str = "auto", trust: CodeTrust | None = None
+) -> LoadedModel:
+    """The trained model (weights loaded, CPU, eval mode) and its checkpoint's metadata.
 
     ``weights``: ``ema`` (the moving average), ``raw`` (the optimizer's weights) or ``auto``
     (the EMA when the run kept one: the weights its validation metrics were measured on).
+    ``trust``: which factories named by ``meta.json`` may be called (``trust.py``); by
+    default only raytrain's built-ins.
     """
+    trust = trust or CodeTrust()
     with local_checkpoint(path) as (chosen, directory):
         weights_file = _weights_file(directory, weights, chosen)
+        meta_file = f"{str(chosen).rstrip('/')}/{META_FILE}"
         meta = read_meta(directory)
-        spec = build_model(FactoryRef(**meta["model_factory"]), meta["data_info"])
-        state = torch.load(directory / weights_file, map_location="cpu", weights_only=True)
+        checked = inference_meta(meta, meta_file)
+        run_root = _run_root(directory)
+        model_ref = checked_factory(checked.model_factory, trust, meta_file, run_root)
+        state = load_tensors(directory / weights_file)
+    spec = build_model(model_ref, checked.data_info)
     problem = _state_dict_mismatch(spec.module.state_dict(), state)
     if problem:
         raise BadInputError(
@@ -166,16 +189,39 @@ def load_model_spec(path: str | Path, weights: str = "auto") -> tuple[ModelSpec,
         )
     spec.module.load_state_dict(state)
     spec.module.eval()
-    return spec, meta
+    return LoadedModel(spec, meta, checked.data_factory, meta_file, run_root)
 
 
-def load_model(path: str | Path, weights: str = "auto") -> nn.Module:
+def _run_root(checkpoint: Path) -> Path:
+    """The run directory a local checkpoint lies in (``<run>/checkpoints/...``), else the
+    checkpoint's own directory: no module is ever imported from under it."""
+    for ancestor in checkpoint.resolve().parents:
+        if ancestor.name == "checkpoints":
+            return ancestor.parent
+    return checkpoint.resolve()
+
+
+def load_model(
+    path: str | Path,
+    weights: str = "auto",
+    *,
+    trust_code: bool = False,
+    config: RaytrainConfig | dict | str | Path | None = None,
+) -> nn.Module:
     """Rebuild the trained model as a plain ``nn.Module`` on CPU in eval mode.
+
+    A checkpoint is data: the model factory its ``meta.json`` names is called only if it is
+    built into raytrain, is the one ``config`` names, or ``trust_code=True``.
 
     Args:
         path: a checkpoint directory, or a run directory (its best checkpoint by
             train.monitor is used); a local path or a URI (``s3://bucket/runs/name``).
         weights: ``"ema"``, ``"raw"``, or ``"auto"``: the EMA of the weights when the run
             kept one (``train.ema.enabled``), else the raw weights.
+        trust_code: call the factory the checkpoint names even if it is your own code
+            (``model.target``): only for run directories whose writers you trust.
+        config: your own config (e.g. the one you trained with; an object, a dict or a
+            YAML path): the factories it names are trusted.
     """
-    return load_model_spec(path, weights)[0].module
+    trust = CodeTrust.from_config(config, trust_code)
+    return load_model_spec(path, weights, trust).spec.module

@@ -177,5 +177,9 @@ def best_of_run(folder: Folder) -> BestCheckpoint | None:
             train = meta["config"]["train"]
         except (KeyError, TypeError):
             continue
-        return best_checkpoint(folder, train.get("monitor", "val_loss"), train.get("mode", "min"))
+        monitor = train.get("monitor", "val_loss") if isinstance(train, dict) else None
+        mode = train.get("mode", "min") if isinstance(train, dict) else None
+        if not isinstance(monitor, str) or mode not in ("min", "max"):
+            continue  # meta.json was edited: choose by the newest instead
+        return best_checkpoint(folder, monitor, mode)
     return None

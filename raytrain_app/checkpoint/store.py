@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raytrain_app.errors import BadInputError
+from raytrain_app.errors import BadInputError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def _progress_key(directory: Path) -> tuple[int, int, float]:
     try:
         meta = read_meta(directory)
         return int(meta["epoch"]), int(meta["step"]), directory.stat().st_mtime
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return -1, -1, directory.stat().st_mtime
 
 
@@ -224,11 +225,72 @@ def usable_checkpoint(directory: Path) -> Path:
 
 
 def load_train_state(directory: Path) -> dict[str, Any]:
-    """The optimizer/scheduler/RNG state of a checkpoint, on CPU."""
-    # weights_only=False: the state holds numpy RNG tuples, and the file is our own.
-    return torch.load(directory / TRAIN_STATE_FILE, map_location="cpu", weights_only=False)
+    """The optimizer/scheduler/RNG state of a checkpoint, on CPU.
+
+    Loaded as data only (``weights_only=True``): a run directory is shared, and a replaced
+    ``train_state.pt`` must not run code in every worker that resumes from it.
+
+    Raises:
+        BadInputError: the file holds anything but tensors and plain values.
+    """
+    return load_tensors(directory / TRAIN_STATE_FILE)
+
+
+def load_tensors(path: Path, map_location: Any = "cpu") -> Any:
+    """``torch.load`` of a checkpoint file as data: tensors and plain values, nothing else.
+
+    Raises:
+        BadInputError: the file holds other objects (a pickle that could run code, or a
+            checkpoint of a raytrain version that stored numpy objects).
+    """
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise BadInputError(
+            f"'{path}' holds objects other than tensors and plain values ({_refused(exc)}), "
+            f"so it was not loaded: unpickling it could run code; use a checkpoint written "
+            f"by this version of raytrain, or start a new run (experiment.name)"
+        ) from None
+
+
+def _refused(exc: Exception) -> str:
+    """What torch's safe loader refused ("unsupported GLOBAL posix.system"), from its long
+    message, whose first lines only say that weights_only is on."""
+    match = re.search(r"(unsupported GLOBAL \S+|Unsupported global: GLOBAL \S+)", str(exc))
+    return match[1] if match else "not tensors or plain values"
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
-    """The checkpoint's metadata (model factory, data info, resolved config)."""
-    return json.loads((directory / META_FILE).read_text())
+    """The checkpoint's metadata (model factory, data info, resolved config).
+
+    Raises:
+        BadInputError: ``meta.json`` is not one JSON object (one line naming the file).
+    """
+    path = directory / META_FILE
+    try:
+        meta = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError, _DuplicateKeyError) as exc:
+        raise BadInputError(
+            f"'{path}' is not valid JSON ({first_line(exc)}); it was edited or damaged: use "
+            f"a checkpoint written by raytrain"
+        ) from None
+    if not isinstance(meta, dict):
+        raise BadInputError(
+            f"'{path}' holds a JSON {type(meta).__name__}, not an object; it was edited or "
+            f"damaged: use a checkpoint written by raytrain"
+        )
+    return meta
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique: two values for one key is an edit, not ours."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKeyError(f"the key '{key}' appears twice")
+        result[key] = value
+    return result

@@ -28,10 +28,21 @@ logger = logging.getLogger(__name__)
 
 def rng_state() -> dict[str, Any]:
     """This process's random generator states (torch, numpy, python, and the CUDA state of
-    this worker's own device: a resume may see another number of GPUs)."""
+    this worker's own device: a resume may see another number of GPUs).
+
+    Tensors and plain values only, so that a checkpoint loads with ``weights_only=True``:
+    numpy's state tuple holds an array, which torch's safe loader refuses.
+    """
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "python": random.getstate(),
     }
     if torch.cuda.is_available():
@@ -42,11 +53,27 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore states captured by ``rng_state``."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    saved = state["numpy"]
+    np.random.set_state(
+        (
+            saved["kind"],
+            saved["keys"].numpy().astype(np.uint32),
+            saved["position"],
+            saved["has_gauss"],
+            saved["cached_gaussian"],
+        )
+    )
+    random.setstate(_python_state(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         device = torch.cuda.current_device()
         restore_cuda_rng(state["cuda"], device, lambda s: torch.cuda.set_rng_state(s, device))
+
+
+def _python_state(saved: Any) -> tuple:
+    """``random.getstate()``'s tuple (version, 625 ints, gauss) as saved; lists after a
+    round trip through a format without tuples."""
+    version, internal, gauss = saved
+    return version, tuple(internal), gauss
 
 
 def restore_cuda_rng(

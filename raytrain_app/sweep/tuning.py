@@ -41,7 +41,7 @@ from raytrain_app.config import (
     dump_config_yaml,
 )
 from raytrain_app.driver.run_directory import RunDirectory
-from raytrain_app.driver.run_lease import hold_run_lease
+from raytrain_app.driver.run_lease import check_lease_held, hold_run_lease
 from raytrain_app.driver.shared_storage import check_shared
 from raytrain_app.driver.training import ray_session
 from raytrain_app.errors import RunFailedError
@@ -59,6 +59,7 @@ from raytrain_app.planning.rules import (
     resolve_config,
 )
 from raytrain_app.storage import StorageLocation
+from raytrain_app.sweep.restore_trust import check_restorable
 from raytrain_app.sweep.search_space import build_search_space, trial_config
 from raytrain_app.tracking.trackers import (
     SweepTrial,
@@ -283,7 +284,9 @@ def _check_sweep(cfg: RaytrainConfig, env: Environment) -> dict[str, Any]:
     return space
 
 
-def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environment) -> Any:
+def _tuner(
+    cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environment, trust_code: bool
+) -> Any:
     use_gpu = choose_use_gpu(cfg, env)
     local = run_dir.location.is_local
     trainable = tune.with_resources(
@@ -304,6 +307,7 @@ def _tuner(cfg: RaytrainConfig, space: dict, run_dir: RunDirectory, env: Environ
     filesystem = None if local else run_dir.location.filesystem
     path = run_dir.at(_EXPERIMENT_DIR)
     if tune.Tuner.can_restore(path.path, storage_filesystem=filesystem):
+        check_restorable(path, trust_code)  # Tune unpickles what it restores
         logger.info("resuming the sweep in %s", path)
         return tune.Tuner.restore(
             path.path,
@@ -402,8 +406,13 @@ def _best_config(cfg: RaytrainConfig, sampled: dict[str, Any]) -> RaytrainConfig
     return config_with_values(best, extra)
 
 
-def tune_sweep(cfg: RaytrainConfig, *, address: str | None = None) -> TuneResult:
+def tune_sweep(
+    cfg: RaytrainConfig, *, address: str | None = None, trust_code: bool = False
+) -> TuneResult:
     """Run (or resume) the sweep of ``cfg.tune`` and write its results to the run directory.
+
+    ``trust_code``: resume from Tune state that is not provably this user's (a bucket's),
+    which Tune unpickles (``restore_trust.py``).
 
     Raises:
         BadInputError: invalid space, config or resources (before any trial starts).
@@ -423,20 +432,26 @@ def tune_sweep(cfg: RaytrainConfig, *, address: str | None = None) -> TuneResult
         space = _check_sweep(cfg, cluster_env)
         # One writer at a time; a second train or tune of this directory exits 2 here.
         with hold_run_lease(run_dir.location.uri, "tune"):
-            return _sweep(cfg, space, run_dir, cluster_env)
+            run_dir.check_resumable(cfg)  # again under the lease: racing sweeps pass it once
+            return _sweep(cfg, space, run_dir, cluster_env, trust_code)
 
 
 def _sweep(
-    cfg: RaytrainConfig, space: dict[str, Any], run_dir: RunDirectory, cluster_env: Environment
+    cfg: RaytrainConfig,
+    space: dict[str, Any],
+    run_dir: RunDirectory,
+    cluster_env: Environment,
+    trust_code: bool,
 ) -> TuneResult:
     """Run the sweep on the connected Ray, then write trials.csv and best_config.yaml."""
     if run_dir.location.is_local:  # trials on other nodes write there too
         check_shared(run_dir.location.local_path.parent, cfg.experiment.output_dir)
     run_dir.write_config(cfg)
-    grid, interrupted = _fit_noting_interrupt(_tuner(cfg, space, run_dir, cluster_env))
+    grid, interrupted = _fit_noting_interrupt(_tuner(cfg, space, run_dir, cluster_env, trust_code))
     keys = list(space)
     trials = pd.DataFrame([_trial_row(r, keys, cfg, interrupted) for r in grid])
     trials_file = run_dir.at(TRIALS_FILE)
+    check_lease_held()  # a sweep whose directory another run took over writes no results
     trials_file.write_text(trials.to_csv(index=False))
     if interrupted:
         raise KeyboardInterrupt

@@ -74,8 +74,8 @@ def submitted_id(output: str) -> str:
 
 @pytest.mark.compat
 def test_a_train_job_succeeds_and_leaves_its_run_directory_in_a_bucket(ray_head, project, tmp_path):
-    """The run directory in an object store: the job reaches it with the AWS_* variables
-    of the machine it was submitted from."""
+    """The run directory in an object store: the job reaches it with the S3 credential,
+    region and endpoint variables of the machine it was submitted from, and no others."""
     with s3_for_this_process("jobs", log_path=tmp_path / "moto.log") as s3:
         env = {**ray_head.client_env(), **s3.env()}
         submit = ["submit", "--address", ray_head.dashboard_url, "--", "train"]
@@ -97,6 +97,15 @@ def test_a_train_job_succeeds_and_leaves_its_run_directory_in_a_bucket(ray_head,
         token = ray_head.token.encode()
         assert [item.uri for item in written if token in item.read_bytes()] == []
     job_id = submitted_id(result.stdout)
+    _, listed = _api_jobs(ray_head, {"Authorization": f"Bearer {ray_head.token}"})
+    (job,) = [job for job in json.loads(listed) if job["submission_id"] == job_id]
+    sent = set(job["runtime_env"]["env_vars"])
+    assert sent == {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_DEFAULT_REGION",
+        "AWS_ENDPOINT_URL",
+    }
     logs = raytrain(
         ["jobs", "--address", ray_head.dashboard_url, "logs", job_id],
         ray_head.client_env(),
@@ -106,19 +115,39 @@ def test_a_train_job_succeeds_and_leaves_its_run_directory_in_a_bucket(ray_head,
     assert ray_head.token not in logs.stdout + result.stdout + result.stderr
 
 
-def test_an_invalid_config_fails_the_job_with_its_one_line_error(ray_head, project):
+def test_an_invalid_config_is_refused_before_anything_is_sent(ray_head, project):
+    """The command is parsed and its config loaded as the job would, before submitting."""
     env = ray_head.client_env()
+    listed = raytrain(["jobs", "--address", ray_head.dashboard_url, "list"], env, project)
     result = submit_train(ray_head, project, "train.lrr=0.1")
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: unknown config key 'train.lrr' (did you mean 'train.lr'?)")
+    assert "raysubmit_" not in result.stdout
+    again = raytrain(["jobs", "--address", ray_head.dashboard_url, "list"], env, project)
+    assert again.stdout == listed.stdout  # no job was made
+
+
+def test_a_job_that_fails_on_the_cluster_says_why_in_one_line(ray_head, project):
+    """A config valid here whose data the cluster does not have: the job fails with the
+    training's one-line error."""
+    env = ray_head.client_env()
+    missing = (
+        "data.path=data/missing.parquet",
+        "data.params={feature_columns: [x], target_column: y}",
+    )
+    result = submit_train(ray_head, project, *missing)
     assert result.returncode == 1, result.stdout + result.stderr
     job_id = submitted_id(result.stdout)
     status = raytrain(["jobs", "--address", ray_head.dashboard_url, "status", job_id], env, project)
     assert status.stdout.strip() == "FAILED"
     logs = raytrain(["jobs", "--address", ray_head.dashboard_url, "logs", job_id], env, project)
-    assert "error: unknown config key 'train.lrr' (did you mean 'train.lr'?)" in logs.stdout
+    (error,) = [line for line in logs.stdout.splitlines() if line.startswith("error: ")]
+    assert "No Parquet files match data path 'data/missing.parquet'" in error, logs.stdout
     assert "Traceback" not in logs.stdout
 
     # --no-wait prints the job id alone and returns; the job runs (and fails) on its own.
-    detached = submit_train(ray_head, project, "train.lrr=0.1", flags=("--no-wait",))
+    detached = submit_train(ray_head, project, *missing, flags=("--no-wait",))
     assert detached.returncode == 0, detached.stdout + detached.stderr
     assert re.fullmatch(r"raysubmit_\w+", detached.stdout.strip()), detached.stdout
     wait_for_status(ray_head.dashboard_url, detached.stdout.strip(), env, project, "FAILED", 120)

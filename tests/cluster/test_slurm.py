@@ -160,7 +160,8 @@ def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node
         [
             "python",
             "-c",
-            "import sys, torch, raytrain_app as rt; m = rt.load_model(sys.argv[1]); "
+            "import sys, torch, raytrain_app as rt; "
+            "m = rt.load_model(sys.argv[1], trust_code=True); "
             "print(type(m).__name__, isinstance(m, torch.nn.Module), "
             "next(m.parameters()).device); torch.save(m.state_dict(), sys.argv[2])",
             checkpoint,
@@ -171,5 +172,5 @@ def test_a_preempted_job_is_requeued_and_ends_like_an_uninterrupted_one(one_node
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.split()[1:] == ["True", "cpu"], loaded.stdout
     ours = torch.load(weights, weights_only=True)
-    for key, tensor in rt.load_model(fault_reference.run_dir).state_dict().items():
+    for key, tensor in rt.load_model(fault_reference.run_dir, trust_code=True).state_dict().items():
         assert torch.equal(ours[key], tensor), key

@@ -44,7 +44,7 @@ def test_uneven_splits_give_equal_steps_and_count_every_validation_sample(refere
     meta = ckpt.read_meta(reference.checkpoint)
     splits = build_data(FactoryRef(**meta["data_factory"]), 5)
     assert len(splits.val) % 2 == 1
-    model = rt.load_model(reference.checkpoint)
+    model = rt.load_model(reference.checkpoint, trust_code=True)
     with torch.no_grad():
         x, y = splits.val.tensors
         loss = nn.functional.mse_loss(model(x), y).item()
@@ -80,7 +80,9 @@ def test_a_nan_on_one_rank_skips_that_step_on_every_rank(ray_cluster, tmp_path):
     # Rank 1's 60th micro-batch is step 60, in epoch 2; had rank 0 stepped alone, the
     # ranks' weights would differ and DDP would not notice, so the agreement is the point.
     assert [row["skipped_steps"] for row in result.metrics] == [0, 1, 0, 0]
-    assert all(torch.isfinite(p).all() for p in rt.load_model(result.run_dir).parameters())
+    assert all(
+        torch.isfinite(p).all() for p in rt.load_model(result.run_dir, trust_code=True).parameters()
+    )
     assert result.metrics[-1]["train_loss"] < result.metrics[0]["train_loss"]
 
 

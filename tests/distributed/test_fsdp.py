@@ -96,14 +96,17 @@ def test_a_worker_killed_mid_epoch_resumes_from_the_shards_bit_for_bit(runs):
     assert [{k: v for k, v in r.items() if k not in drop} for r in killed.metrics] == [
         {k: v for k, v in r.items() if k not in drop} for r in straight.metrics
     ]
-    a, b = rt.load_model(killed.checkpoint), rt.load_model(straight.checkpoint)
+    a, b = (
+        rt.load_model(killed.checkpoint, trust_code=True),
+        rt.load_model(straight.checkpoint, trust_code=True),
+    )
     for key, tensor in b.state_dict().items():
         assert torch.equal(a.state_dict()[key], tensor), key
 
 
 def test_load_model_returns_a_plain_module_that_scores_the_reported_val_loss(runs):
     result = runs["fsdp"]
-    model = rt.load_model(result.run_dir)
+    model = rt.load_model(result.run_dir, trust_code=True)
     assert all(type(p) is nn.Parameter for p in model.parameters())
     assert not model.training
     meta = ckpt.read_meta(Path(result.checkpoint))

@@ -97,7 +97,7 @@ def test_val_accuracy_is_the_exact_global_value(runs, name):
     checkpoint's weights: without SyncBatchNorm too, since every rank validates with rank
     0's BatchNorm statistics, the ones the checkpoint holds."""
     checkpoint = runs[name].checkpoint
-    model = rt.load_model(checkpoint)
+    model = rt.load_model(checkpoint, trust_code=True)
     images, labels = _val_images(checkpoint)
     with torch.no_grad():
         accuracy = (model(images).argmax(dim=1) == labels).double().mean().item()
@@ -107,7 +107,7 @@ def test_val_accuracy_is_the_exact_global_value(runs, name):
 
 def test_checkpoint_of_a_synced_model_loads_into_plain_batchnorm(runs):
     checkpoint = runs["synced"].checkpoint
-    model = rt.load_model(checkpoint)
+    model = rt.load_model(checkpoint, trust_code=True)
     assert type(model) is ResNetSmall
     norms = {type(m) for m in model.modules() if "Norm" in type(m).__name__}
     assert norms == {nn.BatchNorm2d}

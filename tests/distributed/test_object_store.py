@@ -155,7 +155,8 @@ def test_a_sweep_in_the_bucket_resumes_after_ctrl_c_and_after_its_driver_is_kill
 ):
     """`raytrain tune` interrupted twice: Ctrl-C (exit 130, saying how to resume), then,
     resumed, SIGKILLed (no clean-up at all); the same command then finishes the sweep from
-    the bucket and writes its results there."""
+    the bucket and writes its results there. Tune unpickles its saved state, so a resume
+    from a bucket needs --trust-code: without it, one line and exit 2, the state untouched."""
     cfg = config(s3.uri("sweeps"), "small", workers=1)
     cfg["tracking"] = {"tensorboard": False}
     cfg["tune"] = {
@@ -166,7 +167,8 @@ def test_a_sweep_in_the_bucket_resumes_after_ctrl_c_and_after_its_driver_is_kill
     }
     config_file = tmp_path / "sweep.yaml"
     config_file.write_text(yaml.safe_dump(cfg))
-    command = [sys.executable, "-m", "raytrain_app.cli", "tune", "--config", str(config_file)]
+    untrusted = [sys.executable, "-m", "raytrain_app.cli", "tune", "--config", str(config_file)]
+    command = [*untrusted, "--trust-code"]
     # The CLI's own embedded Ray; the AWS_* variables of this process (the s3 fixture) too.
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": ray_tmp}
 
@@ -194,6 +196,13 @@ def test_a_sweep_in_the_bucket_resumes_after_ctrl_c_and_after_its_driver_is_kill
     code, output = interrupted(signal.SIGINT)
     assert code == 130, output
     assert "run the same command again to resume" in output
+
+    state_before = set(keys(s3, "sweeps", "small", "tune"))
+    refused = subprocess.run(untrusted, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "would unpickle Tune's saved state" in refused.stderr, refused.stderr
+    assert "--trust-code" in refused.stderr and "Traceback" not in refused.stderr
+    assert set(keys(s3, "sweeps", "small", "tune")) == state_before
 
     code, output = interrupted(signal.SIGKILL)
     assert code == -signal.SIGKILL, output

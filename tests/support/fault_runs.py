@@ -81,8 +81,8 @@ def assert_same_as(run_dir: Path, reference: rt.TrainResult) -> None:
         for column, value in expected.items():
             if column not in TIMING_COLUMNS:
                 assert row[column] == value, (row["epoch"], column)
-    ours = rt.load_model(run_dir)
-    theirs = rt.load_model(reference.run_dir)
+    ours = rt.load_model(run_dir, trust_code=True)
+    theirs = rt.load_model(reference.run_dir, trust_code=True)
     for key, tensor in theirs.state_dict().items():
         assert torch.equal(ours.state_dict()[key], tensor), key
 
@@ -100,6 +100,6 @@ def assert_close_to(
     for row, want in zip(rows, expected, strict=True):
         for column in ("train_loss", "val_loss", "lr"):
             assert row[column] == pytest.approx(want[column], rel=1e-5, abs=1e-9), column
-    ours = rt.load_model(run_dir).state_dict()
+    ours = rt.load_model(run_dir, trust_code=True).state_dict()
     for key, tensor in weights.items():
         torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-7)

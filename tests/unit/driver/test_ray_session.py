@@ -2,20 +2,44 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
+from pathlib import Path
 
 import pytest
+from ray._private import ray_constants
 
 from raytrain_app.driver import ray_connection
 from raytrain_app.planning.environment import Resources, detect_environment
 
 
 @pytest.fixture
-def init_calls(monkeypatch) -> list[dict]:
-    """Every ``ray.init`` call's keyword arguments; Ray itself never starts."""
+def home(monkeypatch, tmp_path) -> Path:
+    """A HOME of the test's own (where Ray's token file goes), with no Ray token given."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in [name for name in os.environ if name.startswith("RAY_AUTH_")]:
+        monkeypatch.delenv(name)
+    return tmp_path
+
+
+@pytest.fixture
+def init_calls(monkeypatch, home) -> list[dict]:
+    """Every ``ray.init`` call's keyword arguments, with what Ray would see then: whether it
+    would keep a loopback node address (``ENABLE_RAY_CLUSTER`` off) and the mode of the
+    token file. Ray itself never starts."""
     calls: list[dict] = []
+
+    def init(**kwargs) -> None:
+        token = home / ".ray" / "auth_token"
+        kwargs["_seen"] = {
+            "enable_ray_cluster": ray_constants.ENABLE_RAY_CLUSTER,
+            "token_mode": stat.S_IMODE(token.stat().st_mode) if token.exists() else None,
+        }
+        calls.append(kwargs)
+
     monkeypatch.setattr(ray_connection.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray_connection.ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(ray_connection.ray, "init", init)
     monkeypatch.setattr(ray_connection.ray, "shutdown", lambda: None)
     cluster = Resources(cpus=2.0, gpus=0.0, nodes=1, source="ray cluster")
     monkeypatch.setattr(ray_connection, "ray_cluster_resources", lambda: (cluster, None))
@@ -53,3 +77,65 @@ def test_an_embedded_ray_turns_off_cluster_only_ray_train_features_while_it_runs
     assert not any(name in os.environ for name in names)
     with ray_connection.ray_session("10.0.0.1:6379", detect_environment({})):
         assert not any(name in os.environ for name in names)
+
+
+# ------------------------------------------------------------ what an embedded Ray exposes
+# Issue 29: the embedded Ray's ports listened on every interface and its token file was
+# world-readable. The real Ray's sockets and file: tests/distributed/test_embedded_ray.py.
+
+
+def test_an_embedded_ray_starts_on_loopback_only(init_calls):
+    with ray_connection.ray_session(None, detect_environment({})):
+        pass
+    (call,) = init_calls
+    # Ray keeps a loopback node address (and so binds to it) only with this off.
+    assert call["_node_ip_address"] == "127.0.0.1"
+    assert call["_seen"]["enable_ray_cluster"] is False
+    assert ray_constants.ENABLE_RAY_CLUSTER is True  # as it was, once started
+
+
+def test_connecting_to_a_cluster_leaves_its_addresses_alone(init_calls, home):
+    with ray_connection.ray_session("10.0.0.1:6379", detect_environment({})):
+        pass
+    (call,) = init_calls
+    assert "_node_ip_address" not in call and call["_seen"]["enable_ray_cluster"] is True
+    assert not (home / ".ray").exists()  # and makes no token
+
+
+def test_the_token_an_embedded_ray_generates_is_private_from_the_start(init_calls, home):
+    with ray_connection.ray_session(None, detect_environment({})):
+        pass
+    (call,) = init_calls
+    assert call["_seen"]["token_mode"] == 0o600  # there before Ray looks for one
+    token = home / ".ray" / "auth_token"
+    assert len(token.read_text()) == 64 and int(token.read_text(), 16) >= 0
+    assert stat.S_IMODE((home / ".ray").stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize(
+    "given",
+    [{"RAY_AUTH_TOKEN": "a" * 64}, {"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_TOKEN_PATH": "/x"}],
+    ids=["token", "auth_off", "token_path"],
+)
+def test_no_token_file_is_made_when_ray_would_not_make_one(init_calls, home, monkeypatch, given):
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    with ray_connection.ray_session(None, detect_environment({})):
+        pass
+    assert not (home / ".ray" / "auth_token").exists()
+
+
+def test_a_readable_token_file_of_the_users_is_left_alone_with_a_warning(init_calls, home, caplog):
+    token = home / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("b" * 64)
+    token.chmod(0o644)
+    env = detect_environment({})
+    with (
+        caplog.at_level(logging.WARNING, logger=ray_connection.__name__),
+        ray_connection.ray_session(None, env),
+    ):
+        pass
+    assert token.read_text() == "b" * 64 and stat.S_IMODE(token.stat().st_mode) == 0o644
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == ray_connection.__name__]
+    assert "readable by other users" in warning and f"chmod 600 {token}" in warning

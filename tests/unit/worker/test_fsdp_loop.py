@@ -173,11 +173,11 @@ def test_a_two_rank_fsdp_checkpoint_resumes_on_one_worker(runs):
 
 def test_load_model_returns_a_plain_module_with_the_gathered_weights(runs):
     newest = ckpt.checkpoints_newest_first(runs["root"] / "fsdp-ckpt")[0]
-    module = load_model(newest, weights="raw")
+    module = load_model(newest, weights="raw", trust_code=True)
     assert all(type(p) is nn.Parameter for p in module.parameters())
     for key, tensor in runs["rank0"]["fsdp"]["weights"].items():
         assert torch.equal(module.state_dict()[key], tensor), key
-    ema = load_model(newest)  # the EMA, gathered the same way
+    ema = load_model(newest, trust_code=True)  # the EMA, gathered the same way
     assert all(type(p) is nn.Parameter for p in ema.parameters())
     assert not torch.equal(ema.state_dict()["0.weight"], module.state_dict()["0.weight"])
 

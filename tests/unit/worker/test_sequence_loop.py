@@ -109,7 +109,9 @@ def test_train_f1_resumes_mid_epoch_exactly_and_predict_pads_with_the_collate(tm
     assert_same_run(run_loop(task, LocalSession(storage)), reference)
 
     newest = LocalSession(storage).checkpoints()[0]
-    table = pq.read_table(predict(newest, output_path=tmp_path / "pred.parquet")).to_pydict()
+    table = pq.read_table(
+        predict(newest, output_path=tmp_path / "pred.parquet", trust_code=True)
+    ).to_pydict()
     assert len(table["pred_0"]) == 109
     predicted = torch.tensor(table["pred_0"]).long()
     actual = torch.tensor(table["true_0"]).long()

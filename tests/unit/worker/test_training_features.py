@@ -45,8 +45,8 @@ def test_ema_validates_with_the_average_and_is_saved_next_to_the_raw_weights(tmp
     session = LocalSession(tmp_path / "ckpt")
     result, raw = run_loop(make_task(tmp_path, **EMA), session)
     newest = session.checkpoints()[0]
-    ema_model = rt.load_model(newest)  # auto: the EMA, which validation used
-    raw_model = rt.load_model(newest, weights="raw")
+    ema_model = rt.load_model(newest, trust_code=True)  # auto: the EMA, which validation used
+    raw_model = rt.load_model(newest, weights="raw", trust_code=True)
     assert all(torch.equal(raw_model.state_dict()[k], v) for k, v in raw.items())
     assert any(not torch.equal(ema_model.state_dict()[k], v) for k, v in raw.items())
 
@@ -91,8 +91,10 @@ def test_ema_is_restored_exactly_on_a_mid_epoch_resume(tmp_path):
         run_loop(task, LocalSession(storage, crash_after_checkpoints=4))
     resumed = run_loop(task, LocalSession(storage))
     assert_same_run(resumed, reference)  # val_loss uses the EMA: it must match too
-    ours = rt.load_model(LocalSession(storage).checkpoints()[0], weights="ema")
-    theirs = rt.load_model(LocalSession(tmp_path / "a" / "c").checkpoints()[0], weights="ema")
+    ours = rt.load_model(LocalSession(storage).checkpoints()[0], weights="ema", trust_code=True)
+    theirs = rt.load_model(
+        LocalSession(tmp_path / "a" / "c").checkpoints()[0], weights="ema", trust_code=True
+    )
     for key, value in theirs.state_dict().items():
         assert torch.equal(ours.state_dict()[key], value), key
 
@@ -101,7 +103,7 @@ def test_asking_for_ema_weights_of_a_run_without_ema_is_one_clear_error(tmp_path
     session = LocalSession(tmp_path / "ckpt")
     run_loop(make_task(tmp_path, epochs=1), session)
     with pytest.raises(BadInputError, match=r"has no EMA weights \(ema.pt\); train with"):
-        rt.load_model(session.checkpoints()[0], weights="ema")
+        rt.load_model(session.checkpoints()[0], weights="ema", trust_code=True)
 
 
 def _validation_set(checkpoint_dir):

@@ -1,0 +1,74 @@
+"""The Ray that raytrain starts itself (no cluster given) is this user's alone: every port of
+every one of its processes listens on loopback, and its token file is readable by its owner
+only. Issue 29: the ports listened on every interface, the token file was 0644.
+
+The embedded Ray runs in a subprocess (this process holds the session's Ray), with its own
+HOME and temp dir; the unit side is tests/unit/driver/test_ray_session.py."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from raytrain_app.testing.isolation import isolated_env
+
+pytestmark = pytest.mark.distributed
+
+# raytrain's own session start, a task (so a worker process listens too), then every
+# listening socket of this process and all it started.
+_PROBE = """
+import json, os
+import psutil, ray
+from raytrain_app.driver.ray_connection import ray_session
+from raytrain_app.planning.environment import detect_environment
+
+def listening(process):
+    connections = getattr(process, "net_connections", None) or process.connections
+    return [c for c in connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+
+@ray.remote
+def worker_pid():
+    return os.getpid()
+
+with ray_session(None, detect_environment()):
+    worker_pid = ray.get(worker_pid.remote())
+    me = psutil.Process()
+    found = []
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            sockets = listening(process)
+        except psutil.Error:
+            continue
+        found += [[process.name(), process.pid, s.laddr.ip, s.laddr.port] for s in sockets]
+print(json.dumps({"listening": found, "worker_pid": worker_pid}))
+"""
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or bool(mapped and mapped.is_loopback)
+
+
+def test_an_embedded_ray_listens_on_loopback_only_and_keeps_its_token_private(tmp_path, ray_tmp):
+    home = tmp_path / "home"
+    env = isolated_env(home, RAY_TMPDIR=ray_tmp)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    listening = probe["listening"]
+    names = {name for name, *_ in listening}
+    # The check sees Ray's servers: the GCS, the raylet and a worker's own gRPC server.
+    assert {"gcs_server", "raylet"} <= names, listening
+    assert probe["worker_pid"] in {pid for _, pid, *_ in listening}, listening
+    assert [entry for entry in listening if not _loopback(entry[2])] == []
+    token = home / ".ray" / "auth_token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
