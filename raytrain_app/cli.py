@@ -321,6 +321,7 @@ def _format_plan(env, plan) -> str:
             f"checkpoints : keep {_kept(plan.keep_checkpoints)} by {plan.monitor} "
             f"({plan.monitor_mode}) and always the newest; a resume continues from the newest",
             "tracking    : metrics.csv (rank 0)" + "".join(f", {name}" for name in plan.tracking),
+            *(f"note        : {note}" for note in plan.notes),
         ]
     )
 

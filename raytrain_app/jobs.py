@@ -25,7 +25,11 @@ from typing import Any
 
 from raytrain_app.driver.reachability import check_reachable
 from raytrain_app.errors import BadInputError, first_line
-from raytrain_app.planning.environment import enable_client_token_auth, job_server_address
+from raytrain_app.planning.environment import (
+    S3_VARIABLES,
+    enable_client_token_auth,
+    job_server_address,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,19 +55,6 @@ _EXCLUDES = [
     ".env.*",
     ".envrc",
 ]
-# What a job gets without asking when the run directory or the data is in S3: the variables
-# that authenticate and locate the store. Never the AWS variables that name files or profiles
-# of this machine (AWS_PROFILE, AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE, AWS_CA_BUNDLE):
-# on the cluster they name nothing, or override the cluster's own access.
-S3_VARIABLES = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_DEFAULT_REGION",
-    "AWS_REGION",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-)
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A scheme of two or more letters, so that a Windows drive (C:\runs) stays a path.
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")

@@ -219,7 +219,7 @@ def load_resumable(
     # The current plan's lr wins over the saved one: equal on a plain resume, different
     # when a Tune PBT trial continues a better trial's checkpoint with a mutated lr.
     t.scheduler.base_lrs = [lr] * len(t.scheduler.base_lrs)
-    t.scaler.load_state_dict(saved["scaler"])
+    _load_scaler(t.scaler, saved["scaler"])
     state = LoopState(
         epoch=saved["epoch"],
         step=saved["step"],
@@ -229,6 +229,23 @@ def load_resumable(
         segments=saved.get("segments", []),  # absent in checkpoints of earlier versions
     )
     return Resumed(directory, state, saved["ranks"])
+
+
+def _load_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any]) -> None:
+    """The saved GradScaler state into ``scaler``, across a change of precision.
+
+    A Tune PBT trial may continue another trial's checkpoint with ``precision`` mutated:
+    a disabled scaler (fp32, bf16) saves ``{}``, which torch refuses to load into an
+    enabled one (fp16), and a disabled scaler ignores whatever it is given (torch's
+    ``load_state_dict`` returns at once).
+    """
+    if scaler.is_enabled() and not saved:
+        logger.info(
+            "checkpoint was written without fp16 loss scaling; the GradScaler starts from "
+            "its initial scale"
+        )
+        return
+    scaler.load_state_dict(saved)
 
 
 def _load_plain(

@@ -9,17 +9,24 @@ summary), the others train.
 
 Ray's own local mode keeps reports in memory; ``worker.local_mode`` persists checkpoints
 into the run's storage, where a later run on Ray (or locally) resumes from them.
+
+Ray's local mode picks the device by itself: CUDA whenever torch sees it (its backend,
+``set_device`` and ``get_device``), whatever ``scaling.use_gpu`` says. A run planned for
+CPU therefore runs as on a machine without CUDA (``_as_planned``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
 import ray.train
+import torch
 import torch.distributed as dist
 from ray.train.torch import TorchTrainer
 
@@ -31,6 +38,8 @@ from raytrain_app.planning.environment import (
     one_torch_thread_per_process,
     plain_breakpoints,
 )
+from raytrain_app.planning.gpus import check_local_processes
+from raytrain_app.planning.rules import choose_use_gpu
 from raytrain_app.storage import StorageLocation
 from raytrain_app.worker.local_mode import Retention, RunStorage, train_worker_local
 from raytrain_app.worker.loop import WorkerTask
@@ -55,10 +64,17 @@ def torchrun_rank() -> int | None:
 def local_processes_config(cfg: RaytrainConfig) -> RaytrainConfig:
     """``cfg`` planned for the processes local mode has (torchrun's, else this one): the
     same global batch, re-split; a later run on Ray with ``scaling.num_workers`` as the
-    config says resumes it (the worker count may change across a resume)."""
-    torchrun = detect_environment().torchrun
+    config says resumes it (the worker count may change across a resume).
+
+    Raises:
+        PlanError: on GPUs, more torchrun processes than GPUs; checked in every process,
+            since the others would crash on their GPU before rank 0's plan refuses.
+    """
+    env = detect_environment()
     local = cfg.model_copy(deep=True)
-    local.scaling.num_workers = torchrun.world_size if torchrun else 1
+    local.scaling.num_workers = env.torchrun.world_size if env.torchrun else 1
+    if choose_use_gpu(local, env):
+        check_local_processes(env)
     return local
 
 
@@ -86,8 +102,14 @@ def run_local(
     alone = torchrun_rank() is None
     if task is not None and alone:
         task.control = stop
+    # Every process decides alike (rank 0's task is not here yet in the others).
+    use_gpu = choose_use_gpu(cfg, detect_environment())
     try:
-        with plain_breakpoints(), stop_on_signals(stop) if alone else nullcontext([]) as got:
+        with (
+            plain_breakpoints(),
+            _as_planned(use_gpu),
+            stop_on_signals(stop) if alone else nullcontext([]) as got,
+        ):
             result = trainer.fit()
     except (BadInputError, RunFailedError, KeyboardInterrupt):
         raise
@@ -97,6 +119,27 @@ def run_local(
     # checkpoint is the newest in storage, what a resume continues from.
     newest = newest_persisted(None, storage=RunStorage(folder.filesystem, folder.path))
     return dataclasses.replace(result, checkpoint=newest), got[0] if got else None
+
+
+@contextlib.contextmanager
+def _as_planned(use_gpu: bool) -> Iterator[None]:
+    """Ray Train's local mode on the plan's device while the block runs.
+
+    Ray 2.60's local mode asks ``torch.cuda.is_available()`` for its process group's
+    backend (nccl), for ``set_device(LOCAL_RANK)`` and for ``get_device()``: it ignores
+    ``ScalingConfig.use_gpu`` (a TODO in ``ray.train.v2.torch.train_loop_utils``). For a
+    CPU plan on a CUDA machine, torch reports no CUDA until the run ends: gloo, the CPU
+    device, and no CUDA call from Ray or the loop.
+    """
+    if use_gpu or not torch.cuda.is_available():
+        yield
+        return
+    available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: False
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = available
 
 
 def _local_entry(config: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -74,23 +75,64 @@ class ResNetSmall(nn.Module):
     def gradient_checkpointing_enable(self) -> None:
         """Trade compute for memory (raytrain's optimizations.gradient_checkpointing hook)."""
         self.gradient_checkpointing = True
+        # Made here, outside any compiled region: dynamo runs a disabled function eagerly
+        # (``_checkpointed``), and importing it for the wrapper costs seconds only now.
+        self._eager_checkpoint = torch.compiler.disable(_frozen_checkpoint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         features = self.stem(x)
         for block in self.blocks:
             if self.gradient_checkpointing and self.training:
-                features = checkpoint(
-                    block,
-                    features,
-                    use_reentrant=False,
-                    context_fn=lambda block=block: (
-                        contextlib.nullcontext(),
-                        _batchnorm_statistics_frozen(block),
-                    ),
-                )
+                features = self._checkpointed(block, features)
             else:
                 features = block(features)
         return self.head(features.mean(dim=(2, 3)))
+
+    def _checkpointed(self, block: nn.Module, features: torch.Tensor) -> torch.Tensor:
+        """``block(features)`` with its activations recomputed in backward instead of kept.
+
+        Eagerly, the backward pass re-runs the block's forward, BatchNorm's running-statistics
+        update included: the recomputation runs with the statistics frozen. Under
+        torch.compile the checkpoint is a region of one functionalized graph, and the
+        partitioner recomputes only what the gradients need: the statistics are updated once
+        without help. torch also refuses the eager remedy there: dynamo rejects a closure as
+        ``context_fn``, and AOT autograd any ``context_fn`` that is not a pair of
+        selective-checkpoint dispatch modes. A synchronised BatchNorm runs outside compiled
+        graphs (worker/sync_batchnorm.py), and the graph break would make dynamo run the
+        checkpoint eagerly without the frozen recomputation: such a block runs eagerly here,
+        with it.
+        """
+        if not torch.compiler.is_compiling():
+            return _frozen_checkpoint(block, features)
+        if _synchronised(block):
+            return self._eager_checkpoint(block, features)
+        return checkpoint(block, features, use_reentrant=False)
+
+
+def _frozen_checkpoint(block: nn.Module, features: torch.Tensor) -> torch.Tensor:
+    """``checkpoint`` with BatchNorm's running statistics frozen while backward recomputes."""
+    return checkpoint(
+        block,
+        features,
+        use_reentrant=False,
+        context_fn=functools.partial(_frozen_on_recompute, block),
+    )
+
+
+def _synchronised(block: nn.Module) -> bool:
+    """Whether ``block`` holds a BatchNorm that synchronises across ranks (SyncBatchNorm and
+    raytrain's gloo version carry a process group)."""
+    return any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) and hasattr(m, "process_group")
+        for m in block.modules()
+    )
+
+
+def _frozen_on_recompute(
+    block: nn.Module,
+) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``checkpoint``'s (forward, recomputation) contexts for ``block``."""
+    return contextlib.nullcontext(), _batchnorm_statistics_frozen(block)
 
 
 @contextlib.contextmanager

@@ -8,13 +8,16 @@ devices: it asks this module.
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+
+logger = logging.getLogger(__name__)
 
 # Ray Train V2 collects reports on a health-check poll (2 s by default), so each report
 # can wait that long; a 0.2 s poll keeps reports prompt (its cost: benchmarks/README.md).
@@ -67,6 +70,9 @@ class TorchrunInfo:
     rank: int
     local_rank: int
     world_size: int
+    # The processes on this node (LOCAL_WORLD_SIZE), one GPU each when training on GPUs;
+    # None: all of them (torchrun sets it; a single node has no other).
+    local_world_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,9 @@ class Resources:
     gpus: float
     nodes: int
     source: str  # "ray cluster", "SLURM allocation" or "this machine"
-    # Each node's CPUs where known: a worker cannot span two nodes.
+    # Each node's CPUs and GPUs where known: a worker cannot span two nodes.
     node_cpus: tuple[float, ...] = ()
+    node_gpus: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,8 +109,10 @@ class Environment:
     machine: Resources | None = None
 
     def with_resources(self, resources: Resources, gpu: GpuInfo | None = None) -> Environment:
-        """Return a copy with the cluster's resources (and its GPU model, if known)."""
-        return replace(self, resources=resources, gpu=gpu or self.gpu)
+        """Return a copy with the cluster's resources and the GPU model its workers get
+        (None: none, or not known). The driver's own GPU never stands in for the workers':
+        a laptop's T4 would plan fp16 without compile for a cluster of H100s."""
+        return replace(self, resources=resources, gpu=gpu)
 
 
 # Ray's setting for its worker processes' nice value, as an environment variable (Ray's
@@ -170,6 +179,7 @@ def allocation_resources(slurm: SlurmInfo, machine: Resources) -> Resources:
         nodes=len(per_node),
         source="SLURM allocation",
         node_cpus=tuple(float(c) for c in per_node),
+        node_gpus=(float(gpus),) * len(per_node),
     )
 
 
@@ -181,6 +191,7 @@ def detect_torchrun(env: Mapping[str, str]) -> TorchrunInfo | None:
         rank=_int_or_none(env.get("RANK")) or 0,
         local_rank=_int_or_none(env.get("LOCAL_RANK")) or 0,
         world_size=_int_or_none(env.get("WORLD_SIZE")) or 1,
+        local_world_size=_int_or_none(env.get("LOCAL_WORLD_SIZE")),
     )
 
 
@@ -240,11 +251,18 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
     )
 
 
-def ray_cluster_resources() -> tuple[Resources, GpuInfo | None]:
-    """Resources of the connected Ray cluster and, where it has GPUs, their model.
+# Ray's resource name for a node's GPU model ("accelerator_type:A100"), set where Ray
+# detects one (ray._common.utils.RESOURCE_CONSTRAINT_PREFIX).
+_ACCELERATOR_TYPE = "accelerator_type:"
+# How long the GPU query may wait for room on a GPU node (a cluster busy with other runs).
+_GPU_QUERY_TIMEOUT_S = 120
 
-    The driver may sit on a CPU-only head node, so the GPU model is read by a tiny task
-    that runs on a GPU node.
+
+def ray_cluster_resources() -> tuple[Resources, GpuInfo | None]:
+    """Resources of the connected Ray cluster and the GPU model its workers train on.
+
+    The driver may sit on a CPU-only head node or on a laptop with a GPU of its own: the
+    workers' GPU is read on a GPU node, unless this node is the only one with GPUs.
     """
     import ray
 
@@ -256,11 +274,69 @@ def ray_cluster_resources() -> tuple[Resources, GpuInfo | None]:
         nodes=len(alive),
         source="ray cluster",
         node_cpus=tuple(float(node["Resources"].get("CPU", 0)) for node in alive),
+        node_gpus=tuple(float(node["Resources"].get("GPU", 0)) for node in alive),
     )
-    gpu = local_gpu()
-    if resources.gpus and gpu is None:
-        gpu = ray.get(ray.remote(num_gpus=1, num_cpus=0)(local_gpu).remote(), timeout=120)
-    return resources, gpu
+    gpu_nodes = [node for node in alive if node["Resources"].get("GPU", 0) > 0]
+    if not gpu_nodes:
+        return resources, None
+    if _only_this_node(gpu_nodes):
+        return resources, local_gpu()
+    return resources, workers_gpu(gpu_nodes, _gpu_on_a_node)
+
+
+def _only_this_node(nodes: list[dict]) -> bool:
+    """Whether ``nodes`` is just the node this driver runs on (not through Ray Client,
+    whose driver is the head node, not this machine)."""
+    import ray
+
+    if ray.util.client.ray.is_connected():
+        return False
+    here = ray.get_runtime_context().get_node_id()
+    return [node["NodeID"] for node in nodes] == [here]
+
+
+def workers_gpu(
+    gpu_nodes: list[dict], ask: Callable[[dict[str, float]], GpuInfo | None]
+) -> GpuInfo | None:
+    """The GPU model to plan for: of every model among ``gpu_nodes`` (Ray's node entries)
+    the least capable, since precision and compile must suit every worker.
+
+    ``ask(resources)`` reads the GPU of a node that offers ``resources``; one call per
+    model Ray names on the nodes (one call, any GPU node, where it names none).
+    """
+    models = sorted(
+        {
+            key
+            for node in gpu_nodes
+            for key in node["Resources"]
+            if key.startswith(_ACCELERATOR_TYPE)
+        }
+    )
+    found = [ask({model: 0.001}) for model in models] if models else [ask({})]
+    known = [gpu for gpu in found if gpu is not None]
+    return min(known, key=lambda gpu: (gpu.capability, gpu.memory_gb), default=None)
+
+
+def _gpu_on_a_node(resources: dict[str, float]) -> GpuInfo | None:
+    """``local_gpu`` run as a Ray task on a GPU node offering ``resources``; None, with a
+    warning, when no GPU has room for it in time."""
+    import ray
+
+    # A sliver of a GPU: placed beside fractional trials too, and Ray sets the task's
+    # CUDA_VISIBLE_DEVICES to that GPU.
+    task = ray.remote(num_gpus=0.01, num_cpus=0, resources=resources)(local_gpu)
+    ref = task.remote()
+    try:
+        return ray.get(ref, timeout=_GPU_QUERY_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        logger.warning(
+            "no GPU of the cluster was free within %d s to read its model: precision and "
+            "compile are planned as for an unknown GPU (fp32, no compile); set precision and "
+            "optimizations.compile to choose them",
+            _GPU_QUERY_TIMEOUT_S,
+        )
+        return None
 
 
 def job_server_address(flag: str | None) -> str | None:
@@ -349,11 +425,27 @@ def training_worker_env_vars() -> dict[str, str]:
     return {_RAY_WORKER_NICENESS: os.environ.get(_RAY_WORKER_NICENESS, "0")}
 
 
+# The AWS variables that authenticate and locate an S3 store: what workers, trials and a
+# submitted job get when the run is in S3. Never the ones that name files or profiles of
+# this machine (AWS_PROFILE, AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE, AWS_CA_BUNDLE):
+# on the cluster they name nothing, or override the cluster's own access.
+S3_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+)
+
+
 def storage_env_vars() -> dict[str, str]:
-    """The standard AWS variables set in this (driver) process, for workers and Tune trials.
+    """The S3 variables set in this (driver) process, for workers and Tune trials.
 
     On a running cluster, workers do not see the driver's environment, yet they read and
     write the run's storage (an S3 endpoint and its credentials, which pyarrow reads from
-    these variables). Only the variables that are set travel, through Ray's runtime env.
+    these variables). Only the variables that are set travel, through Ray's runtime env,
+    and only those of ``S3_VARIABLES``: never a path or profile of this machine.
     """
-    return {name: value for name, value in os.environ.items() if name.startswith("AWS_")}
+    return {name: os.environ[name] for name in S3_VARIABLES if name in os.environ}

@@ -11,10 +11,11 @@ import logging
 import math
 from dataclasses import asdict, dataclass, replace
 
-from raytrain_app.config import RaytrainConfig
+from raytrain_app.config import RaytrainConfig, ScalingConfig
 from raytrain_app.config.base import MAX_BATCH_SIZE
 from raytrain_app.planning.batch import PlanError, nearest_multiples, plan_batch, scaled_lr
 from raytrain_app.planning.environment import Environment, GpuInfo
+from raytrain_app.planning.gpus import check_gpus, choose_tf32, gpu_notes, gpu_worker_slots
 from raytrain_app.storage import is_uri
 
 logger = logging.getLogger(__name__)
@@ -68,17 +69,20 @@ class TrainingPlan:
     # (min, max) workers of an elastic run, None for a fixed size. world_size is max, the
     # size the split above is for; workers re-split for the size they get (plan_for_world_size).
     worker_range: tuple[int, int] | None = None
+    # One line for each choice whose reason the summary above does not show (planning.gpus).
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def available_devices(env: Environment, use_gpu: bool, cpus_per_worker: float) -> int:
-    """How many workers the resources can host (a worker never spans two nodes)."""
+def available_devices(env: Environment, use_gpu: bool, scaling: ScalingConfig) -> int:
+    """How many workers the resources can host at the GPUs (or CPUs) Ray reserves for each
+    (a worker never spans two nodes)."""
     if use_gpu:
-        return int(env.resources.gpus)
+        return gpu_worker_slots(env.resources, scaling.gpus_per_worker)
     per_node = env.resources.node_cpus or (env.resources.cpus,)
-    return max(1, sum(int(cpus // cpus_per_worker) for cpus in per_node))
+    return max(1, sum(int(cpus // scaling.cpus_per_worker) for cpus in per_node))
 
 
 def worker_range(cfg: RaytrainConfig) -> tuple[int, int] | None:
@@ -91,7 +95,7 @@ def choose_world_size(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> i
     """``scaling.num_workers``, or for ``auto`` the most devices that split the batch evenly;
     for an elastic ``[min, max]``, max: the size a run starts with when there is room."""
     requested = cfg.scaling.num_workers
-    devices = available_devices(env, use_gpu, cfg.scaling.cpus_per_worker)
+    devices = available_devices(env, use_gpu, cfg.scaling)
     if cfg.distributed.strategy == "single":
         if requested not in ("auto", 1):
             raise PlanError(
@@ -182,10 +186,14 @@ def hosting_problem(
     """Why the target cannot host ``world_size`` workers, and whether that refuses the run:
     a machine or a SLURM allocation never grows; a Ray cluster may (an autoscaler), and Ray
     then waits for it. None when they fit."""
-    devices = available_devices(env, use_gpu, cfg.scaling.cpus_per_worker)
+    devices = available_devices(env, use_gpu, cfg.scaling)
     if world_size <= devices:
         return None
-    unit = "GPUs" if use_gpu else f"CPUs at {cfg.scaling.cpus_per_worker:g} per worker"
+    unit = (
+        f"GPUs at {cfg.scaling.gpus_per_worker:g} per worker"
+        if use_gpu
+        else f"CPUs at {cfg.scaling.cpus_per_worker:g} per worker"
+    )
     needs = f"scaling.num_workers={world_size} needs more than the {devices} workers"
     if env.resources.source == "this machine":
         return (
@@ -378,7 +386,9 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
     """
     use_gpu = choose_use_gpu(cfg, env)
     strategy = choose_strategy(cfg.distributed.strategy, cfg.distributed.grad_compression)
+    backend = choose_backend(cfg.distributed.backend, use_gpu)
     world_size = choose_world_size(cfg, env, use_gpu)
+    check_gpus(cfg.scaling, env, use_gpu, world_size, backend)
     elastic = worker_range(cfg)
     if elastic:
         check_elastic_range(cfg, *elastic)
@@ -388,7 +398,7 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
             logger.info(
                 "scaling.num_workers=%s: %d workers fit now; the run grows when more do",
                 list(elastic),
-                available_devices(env, use_gpu, cfg.scaling.cpus_per_worker),
+                available_devices(env, use_gpu, cfg.scaling),
             )
     else:
         fits = _check_hosting(cfg, env, use_gpu, world_size, preview)
@@ -398,6 +408,8 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
     compiled = choose_compile(cfg.optimizations.compile, use_gpu, env.gpu, strategy)
     if strategy == "fsdp":
         check_fsdp_scope(cfg, precision, compiled)
+    sync_batchnorm = choose_sync_batchnorm(cfg.distributed.sync_batchnorm, strategy, world_size)
+    share = cfg.scaling.gpus_per_worker if use_gpu else 0.0
     loader = cfg.dataloader
     return TrainingPlan(
         world_size=world_size,
@@ -408,14 +420,12 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
         device=(env.gpu.name if env.gpu else "cuda") if use_gpu else "cpu",
         precision=precision,
         grad_scaler=grad_scaler,
-        tf32=bool(use_gpu and env.gpu and env.gpu.capability >= (8, 0)),
-        backend=choose_backend(cfg.distributed.backend, use_gpu),
+        tf32=choose_tf32(cfg.precision, use_gpu, env.gpu),
+        backend=backend,
         strategy=strategy,
-        sync_batchnorm=choose_sync_batchnorm(cfg.distributed.sync_batchnorm, strategy, world_size),
+        sync_batchnorm=sync_batchnorm,
         grad_compression=choose_grad_compression(
-            cfg.distributed.grad_compression,
-            choose_backend(cfg.distributed.backend, use_gpu),
-            world_size if strategy == "ddp" else 1,
+            cfg.distributed.grad_compression, backend, world_size if strategy == "ddp" else 1
         ),
         compile=compiled,
         # The fused CUDA kernel: one launch for all parameters instead of one per tensor.
@@ -438,7 +448,7 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
         warmup_steps=cfg.train.warmup_steps,
         min_lr_ratio=cfg.train.min_lr_ratio,
         cpus_per_worker=cfg.scaling.cpus_per_worker,
-        gpus_per_worker=cfg.scaling.gpus_per_worker if use_gpu else 0.0,
+        gpus_per_worker=share,
         dataloader_workers=loader_workers(cfg, env, use_gpu),
         pin_memory=use_gpu if loader.pin_memory == "auto" else loader.pin_memory,
         keep_checkpoints=cfg.train.keep_checkpoints,
@@ -448,6 +458,9 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
         fits=fits,
         max_batch_per_worker=None if cap in (None, "auto") else cap,
         worker_range=elastic,
+        notes=gpu_notes(
+            cfg.precision, env.gpu if use_gpu else None, share, compiled, sync_batchnorm
+        ),
     )
 
 

@@ -102,16 +102,12 @@ def single_worker(cfg: RaytrainConfig) -> RaytrainConfig:
 
 
 def trial_environment(env: Environment, cfg: RaytrainConfig, use_gpu: bool) -> Environment:
-    """What one trial sees: exactly the device Tune reserved for it (one GPU, which
-    trials reserving a fraction of it share)."""
-    return env.with_resources(
-        Resources(
-            cpus=cfg.scaling.cpus_per_worker,
-            gpus=1.0 if use_gpu else 0.0,
-            nodes=1,
-            source="this machine",
-        )
-    )
+    """What one trial sees: exactly what Tune reserved for it: its GPUs, or the one GPU
+    that trials reserving a fraction of it share (the plan keeps the fraction in
+    ``gpus_per_worker``, and the memory probe budgets by it)."""
+    gpus = max(1.0, cfg.scaling.gpus_per_worker) if use_gpu else 0.0
+    trial = Resources(cpus=cfg.scaling.cpus_per_worker, gpus=gpus, nodes=1, source="this machine")
+    return env.with_resources(trial, env.gpu)
 
 
 def trial_resources(cfg: RaytrainConfig, use_gpu: bool) -> dict[str, float]:
@@ -129,13 +125,10 @@ def concurrent_trials(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> i
     Ray places a fraction of a GPU on one GPU, never across two: shares of 0.3 fit 3
     trials on a GPU, not 3.33.
     """
-    cpu_slots = available_devices(env, False, cfg.scaling.cpus_per_worker)
+    cpu_slots = available_devices(env, False, cfg.scaling)
     if not use_gpu:
         return cpu_slots
-    share, gpus = cfg.scaling.gpus_per_worker, int(env.resources.gpus)
-    # The epsilon absorbs float division (1 / 0.1 is 10.000000000000002, 1 / 0.3 below 3.34).
-    gpu_slots = gpus * math.floor(1 / share + 1e-9) if share <= 1 else int(gpus / share + 1e-9)
-    return min(cpu_slots, gpu_slots)
+    return min(cpu_slots, available_devices(env, True, cfg.scaling))
 
 
 def check_trial_slots(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> None:
@@ -403,6 +396,9 @@ def _best_config(cfg: RaytrainConfig, sampled: dict[str, Any]) -> RaytrainConfig
     if best.train.lr_scaling != "none" and best.train.base_batch_size is None:
         # Pin the batch the lr was tuned at, so a scaling rule scales from the right place.
         extra["train.base_batch_size"] = best.train.global_batch_size
+    if best.scaling.gpus_per_worker < 1:
+        # Trials shared GPUs; DDP workers cannot (NCCL refuses two ranks on one GPU).
+        extra["scaling.gpus_per_worker"] = 1.0
     return config_with_values(best, extra)
 
 

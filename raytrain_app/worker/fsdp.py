@@ -16,6 +16,10 @@ micro-batch, the memory FSDP saves. Which modules are blocks:
 
 The root is sharded last and owns what no block holds. Validation and the EMA use the
 sharded model too (``equal_forwards``).
+
+Under bf16 the parameters are all-gathered, and the forward and backward computed, in bf16
+(FSDP2's ``MixedPrecisionPolicy``), while the shards the optimizer steps stay fp32 and
+gradients are reduce-scattered in fp32: ``mixed_precision``.
 """
 
 from __future__ import annotations
@@ -61,26 +65,51 @@ def _holds_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def shard(module: nn.Module, mesh: Any) -> int:
+_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision(precision: str) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for the plan's ``precision``.
+
+    Parameters are all-gathered in the low dtype, the traffic that halves: twice a step
+    (before the forward and again before the backward) against one reduce-scatter. The
+    reduce-scatter stays fp32: it sums every rank's gradient, which a bf16 sum (8 bits of
+    mantissa) would round, and it lands in the fp32 shards the optimizer steps (as in
+    torchtitan's default). fp32 gets the default policy: no casts.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    low = _LOW_PRECISION.get(precision)
+    if low is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+
+def shard(module: nn.Module, mesh: Any, precision: str) -> int:
     """Shard ``module`` in place over ``mesh`` (a ``DeviceMesh``): blocks, then the root; the
-    number of blocks."""
+    number of blocks. ``precision``: the plan's (``mixed_precision``)."""
     # Imported here: FSDP brings DTensor, some 0.6 s of CPU that only an FSDP run should pay.
     from torch.distributed.fsdp import fully_shard
 
+    policy = mixed_precision(precision)
     blocks = fsdp_blocks(module)
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
     return len(blocks)
 
 
 def shard_model_and_ema(
-    module: nn.Module, ema_decay: float | None, device: torch.device
+    module: nn.Module,
+    ema_decay: float | None,
+    device: torch.device,
+    precision: str | None = None,
 ) -> tuple[nn.Module, AveragedModel | None]:
     """The model sharded, and its EMA (or None) sharded alike, so that the EMA's update is
     shard by shard and validating with it is a sharded forward.
 
     One process without a process group has nothing to shard: the model stays plain.
+    ``precision``: the plan's, for the all-gathers (``mixed_precision``); None: fp32.
     """
     ema = make_ema(module, ema_decay)  # copied before sharding, then sharded the same way
     if not dist.is_initialized():
@@ -89,9 +118,9 @@ def shard_model_and_ema(
 
     # Ray made the default process group; the mesh reuses it, on this worker's device.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    blocks = shard(module, mesh)
+    blocks = shard(module, mesh, precision or "fp32")
     if ema is not None:
-        shard(ema.module, mesh)
+        shard(ema.module, mesh, precision or "fp32")
     rank_zero_info(
         logger,
         "FSDP: %d block(s) and the root sharded over %d worker(s)",

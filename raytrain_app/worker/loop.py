@@ -174,9 +174,11 @@ class WorkerLoop:
     def setup(self) -> None:
         plan, cfg = self.plan, self.cfg
         torch.set_num_threads(max(1, int(plan.cpus_per_worker)))
-        if plan.tf32:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        # Both ways: cuDNN's TF32 is on by default (fp32 convolutions would not be exact
+        # under an explicit fp32), and a reused Tune process must not carry a trial's TF32
+        # into the next.
+        torch.backends.cuda.matmul.allow_tf32 = plan.tf32
+        torch.backends.cudnn.allow_tf32 = plan.tf32
         self.device = self.session.device()
         seed = cfg.experiment.seed
         splits = build_data(self.task.data, seed)

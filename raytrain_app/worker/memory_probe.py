@@ -2,8 +2,10 @@
 
 The probe runs forward and backward of the real model on real samples, halving the
 micro-batch on out-of-memory, while a reserve is held for what training adds later (the
-optimizer's state and DDP's gradient buckets). The plan then keeps the global batch with
-gradient accumulation, so the optimisation is the same whatever fits.
+optimizer's state, DDP's gradient buckets and the EMA's copy of the weights) and, on a GPU
+shared with other trials (a fractional ``scaling.gpus_per_worker``), for the memory beyond
+this worker's share. The plan then keeps the global batch with gradient accumulation, so
+the optimisation is the same whatever fits.
 """
 
 from __future__ import annotations
@@ -51,13 +53,63 @@ def largest_fitting(try_micro_batch: Callable[[int], None], upper: int) -> int:
     )
 
 
+def training_state_bytes(module: nn.Module, ema: bool) -> int:
+    """Device memory training adds after the probe: the optimizer's moments and DDP's
+    buckets per parameter byte and, with ``train.ema``, the EMA's copy of every parameter
+    and buffer (``AveragedModel`` deep-copies the module)."""
+    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
+    ema_bytes = param_bytes + buffer_bytes if ema else 0
+    return int(param_bytes * _RESERVE_PER_PARAM_BYTE) + ema_bytes
+
+
+def probe_reserve(
+    state_bytes: int, share: float, free_bytes: int, total_bytes: int, used_bytes: int
+) -> int:
+    """Bytes the probe holds on the GPU while it tries micro-batches.
+
+    Args:
+        state_bytes: what training adds after the probe (``training_state_bytes``).
+        share: the GPUs Ray reserved for this worker (``scaling.gpus_per_worker``); below
+            1, other trials train on the same GPU, so the free memory beyond this worker's
+            share of ``total_bytes`` is held too.
+        free_bytes, total_bytes: the GPU's free and total memory now.
+        used_bytes: what this process holds already (the model's weights).
+    """
+    beyond_share = free_bytes - (min(share, 1.0) * total_bytes - used_bytes)
+    return int(state_bytes + max(beyond_share, 0))
+
+
+def _held_bytes(module: nn.Module, plan: TrainingPlan, device: torch.device) -> int:
+    """``probe_reserve`` for ``module`` on ``device`` as it is now (0 off CUDA).
+
+    Raises:
+        RunFailedError: the reserve leaves no memory for a single micro-batch.
+    """
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    state = training_state_bytes(module, ema=plan.ema_decay is not None)
+    held = probe_reserve(
+        state, plan.gpus_per_worker, free, total, torch.cuda.memory_reserved(device)
+    )
+    if held >= free:
+        raise RunFailedError(
+            f"the model's training state ({state / 2**30:.1f} GiB with optimizer moments, "
+            f"gradient buckets and any EMA) leaves no memory for a batch within "
+            f"scaling.gpus_per_worker={plan.gpus_per_worker:g} of the GPU; raise "
+            f"scaling.gpus_per_worker, set train.ema.enabled=false, or use a smaller model"
+        )
+    return held
+
+
 @contextlib.contextmanager
-def _reserve(module: nn.Module, device: torch.device) -> Iterator[None]:
+def _reserve(nbytes: int, device: torch.device) -> Iterator[None]:
+    """Hold ``nbytes`` of ``device``'s memory while the block runs (nothing off CUDA)."""
     if device.type != "cuda":
         yield
         return
-    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    held = torch.empty(int(param_bytes * _RESERVE_PER_PARAM_BYTE), dtype=torch.uint8, device=device)
+    held = torch.empty(nbytes, dtype=torch.uint8, device=device)
     try:
         yield
     finally:
@@ -96,10 +148,7 @@ def probe_micro_batch(
             module.zero_grad(set_to_none=True)
 
     # The probe's draws (dropout) must not shift the training's random streams.
-    with (
-        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
-        _reserve(module, device),
-    ):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         fits = largest_fitting(try_micro_batch, upper)
     module.train(was_training)
     with torch.no_grad():
@@ -146,13 +195,14 @@ def fit_plan_to_memory(
             dist.all_reduce(fits_everywhere, op=dist.ReduceOp.MIN)
         return int(fits_everywhere.item())
 
-    fits = probe()
     checkpointing = plan.gradient_checkpointing
     hook = getattr(module, "gradient_checkpointing_enable", None)
-    if fits < plan.per_worker_batch_size and plan.gradient_checkpointing_auto and hook:
-        hook()
-        checkpointing = True
+    with _reserve(_held_bytes(module, plan, device), device):
         fits = probe()
+        if fits < plan.per_worker_batch_size and plan.gradient_checkpointing_auto and hook:
+            hook()
+            checkpointing = True
+            fits = probe()
     split = plan_batch(plan.effective_batch_size, plan.world_size, fits)
     rank_zero_info(
         logger,

@@ -61,7 +61,7 @@ def prepare_for_training(
         module = convert_sync_batchnorm(module, device)
         rank_zero_info(logger, "BatchNorm layers synchronised across workers (SyncBatchNorm)")
     if plan.strategy == "fsdp":  # sharded in place, with its EMA (fsdp.py)
-        model, ema = shard_model_and_ema(module.to(device), plan.ema_decay, device)
+        model, ema = shard_model_and_ema(module.to(device), plan.ema_decay, device, plan.precision)
     else:
         ddp_kwargs = {"find_unused_parameters": distributed.find_unused_parameters}
         model = session.prepare_model(

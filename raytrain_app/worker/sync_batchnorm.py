@@ -10,9 +10,20 @@ back through the reduction as torch's do.
 
 Conversion happens from the outside, before DDP wraps the model; the converted layers keep
 BatchNorm's parameter and buffer names, so checkpoints load into the plain model.
+
+Under ``torch.compile`` the synchronised forward runs eagerly, one graph break per layer,
+and the rest of the model compiles. Dynamo cannot trace either kind in torch 2.13: torch's
+drops empty ranks' statistics with a boolean mask (``count_all[mask]`` in
+``torch/nn/modules/_functions.py``, an output shape that depends on the data) and ours
+reads the global sample count as a Python number. Left to itself, dynamo traces into the
+autograd function on every compile, gives up inside it and splits the graph several times
+per layer (``fullgraph=True`` fails outright); marked, the layer is skipped cleanly.
+Evaluation and a single worker take plain BatchNorm's path, which compiles.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,16 +49,15 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
         ``module`` itself with its layers replaced (a new module if ``module`` is itself a
         BatchNorm layer).
     """
-    if device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    return _convert(module)
+    return _convert(module, CudaSyncBatchNorm if device.type == "cuda" else GlooSyncBatchNorm)
 
 
-def _convert(module: nn.Module) -> nn.Module:
+def _convert(module: nn.Module, layer: type[_BatchNorm]) -> nn.Module:
+    """``nn.SyncBatchNorm.convert_sync_batchnorm`` with ``layer`` for the new layers."""
     if isinstance(module, _BatchNorm) and not isinstance(
         module, nn.SyncBatchNorm | GlooSyncBatchNorm
     ):
-        converted = GlooSyncBatchNorm(
+        converted = layer(
             module.num_features,
             module.eps,
             module.momentum,
@@ -63,8 +73,27 @@ def _convert(module: nn.Module) -> nn.Module:
         converted.train(module.training)
         return converted
     for name, child in module.named_children():
-        module.add_module(name, _convert(child))
+        module.add_module(name, _convert(child, layer))
     return module
+
+
+def _synchronised(layer: CudaSyncBatchNorm | GlooSyncBatchNorm, input: torch.Tensor):
+    return layer.synchronised_forward(input)
+
+
+# ``_synchronised`` marked for torch.compile to run eagerly, by the first synchronised layer
+# built: marking imports dynamo (2.5 s), which DDP imports anyway but importing this module
+# must not (the worker loop imports it for every run). A layer unpickled without its
+# __init__ before any was built runs unmarked: correct, with dynamo's own graph breaks.
+_outside_compile: Callable[..., torch.Tensor] | None = None
+
+
+def _mark_outside_compile() -> None:
+    global _outside_compile
+    if _outside_compile is None:
+        _outside_compile = torch.compiler.disable(
+            _synchronised, reason="SyncBatchNorm's statistics gather is not traceable"
+        )
 
 
 def _world_size(group: dist.ProcessGroup | None) -> int:
@@ -173,6 +202,7 @@ class GlooSyncBatchNorm(_BatchNorm):
     def __init__(self, *args, process_group: dist.ProcessGroup | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.process_group = process_group
+        _mark_outside_compile()
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -181,6 +211,9 @@ class GlooSyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not (self.training and _world_size(self.process_group) > 1):
             return super().forward(input)
+        return (_outside_compile or _synchronised)(self, input)
+
+    def synchronised_forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         momentum = self._momentum()
         compute = torch.promote_types(input.dtype, torch.float32)
@@ -205,3 +238,20 @@ class GlooSyncBatchNorm(_BatchNorm):
             if self.momentum is None:  # cumulative moving average
                 return 1.0 / float(self.num_batches_tracked)
         return 0.0 if self.momentum is None else self.momentum
+
+
+class CudaSyncBatchNorm(nn.SyncBatchNorm):
+    """torch's SyncBatchNorm (CUDA kernels, NCCL), with its synchronised forward outside
+    ``torch.compile``'s graphs (the module docstring says why)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _mark_outside_compile()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not (self.training and _world_size(self.process_group) > 1):
+            return super().forward(input)
+        return (_outside_compile or _synchronised)(self, input)
+
+    def synchronised_forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input)

@@ -24,14 +24,14 @@ from raytrain_app.worker.rank_zero import set_rank
 CPU = torch.device("cpu")
 
 
-def _trainables(seed: int) -> Trainables:
+def _trainables(seed: int, loss_scaling: bool = True) -> Trainables:
+    """``loss_scaling``: the GradScaler is on, as for fp16 (off for fp32 and bf16)."""
     torch.manual_seed(seed)
     module = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
-    return Trainables(
-        module, module, optimizer, scheduler, torch.amp.GradScaler("cpu"), make_ema(module, 0.9)
-    )
+    scaler = torch.amp.GradScaler("cpu", enabled=loss_scaling)
+    return Trainables(module, module, optimizer, scheduler, scaler, make_ema(module, 0.9))
 
 
 def _train(t: Trainables, steps: int) -> None:
@@ -120,3 +120,34 @@ def test_a_worker_restores_its_own_cuda_state_whatever_the_gpus_it_saw():
     assert [int(s[0]) for s in restored] == [2, 1]
     restore_cuda_rng(states[:1], 3, restored.append)  # more GPUs now: the stream restarts
     assert len(restored) == 2
+
+
+@pytest.mark.parametrize(
+    ("saved_scaling", "resumed_scaling"),
+    [(False, True), (True, False), (True, True)],
+    ids=["fp32-to-fp16", "fp16-to-bf16", "fp16-to-fp16"],
+)
+def test_a_checkpoint_resumes_across_a_change_of_loss_scaling(
+    tmp_path, caplog, saved_scaling, resumed_scaling
+):
+    """A Tune PBT trial may continue another trial's checkpoint with ``precision`` mutated.
+    A disabled scaler saves ``{}``, which torch refused to load into an enabled one."""
+    saved = _trainables(seed=0, loss_scaling=saved_scaling)
+    if saved_scaling:  # a scale the run had lowered, which a resume in fp16 continues from
+        saved.scaler.scale(torch.ones(()))
+        saved.scaler.update(new_scale=1024.0)
+    directory, state = _save(tmp_path, saved, [_rank_part({"loss": 1.0}, 1.0)])
+
+    fresh = _trainables(seed=1, loss_scaling=resumed_scaling)
+    with caplog.at_level(logging.INFO, logger="raytrain_app.checkpoint.train_state"):
+        resumed = load_resumable(directory, fresh, lr=0.01, device=CPU)
+
+    assert resumed.state == state  # everything else came back as ever
+    assert fresh.scaler.is_enabled() is resumed_scaling
+    if not resumed_scaling:  # a disabled scaler ignores the saved state
+        assert fresh.scaler.state_dict() == {}
+    elif saved_scaling:
+        assert fresh.scaler.get_scale() == 1024.0
+    else:  # nothing to continue from: the initial scale, and one line saying why
+        assert fresh.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale()
+        assert "written without fp16 loss scaling" in caplog.text
