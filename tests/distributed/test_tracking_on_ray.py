@@ -93,7 +93,7 @@ def test_the_best_checkpoint_survives_next_to_the_newest(run):
     assert kept == expected | {(EPOCHS, EPOCHS * STEPS_PER_EPOCH)}
     # Inference from the run directory takes the best checkpoint.
     assert find_checkpoint(run.run_dir) == best
-    rt.load_model(run.run_dir)
+    rt.load_model(run.run_dir, trust_code=True)
 
 
 def test_the_restart_resumed_from_the_newest_mid_epoch_checkpoint(run):

@@ -22,7 +22,7 @@ def test_example_user_package_trains_and_loads(ray_cluster, tmp_path):
     assert rows[-1]["val_loss"] < 0.5 * rows[0]["val_loss"]
     assert "val_mae" in rows[-1]  # the user's metric, reduced over both workers
 
-    model = rt.load_model(result.checkpoint)
+    model = rt.load_model(result.checkpoint, config=cfg)  # the factory our config names
     assert isinstance(model, nn.Sequential)
     x = torch.linspace(-3, 3, 50).unsqueeze(1)
     error = (model(x) - torch.sin(x)).abs().mean().item()
