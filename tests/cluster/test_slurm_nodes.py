@@ -190,21 +190,18 @@ def test_two_nodes_train_one_worker_each_into_the_bucket_and_finish_on_one_when_
         "RAY_health_check_failure_threshold": "3",
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "3",
     }
-    submitted = cluster.run(
-        ["sbatch", "--parsable", *TWO_NODES, str(SCRIPT), "--config", str(config)],
-        check=True,
-        env=env,
-    )
-    job_id = submitted.stdout.strip()
-    log = cluster.shared / f"raytrain-{job_id}.out"
-    deadline = time.monotonic() + 240
-    # The first epoch's checkpoint complete in the bucket (its manifest is put last), so
-    # the run continues from it; the epoch's log line comes before the upload ends.
     checkpoints = s3.uri("runs", "spread", "checkpoints")
-    while not any(p.endswith("/manifest.json") for p in cluster.list_objects(s3, checkpoints)):
-        assert cluster.job_state(job_id) in ("PENDING", "RUNNING"), log_text(log)
-        assert time.monotonic() < deadline, log_text(log)
-        time.sleep(0.5)
+    for attempt in (1, 2):
+        submitted = cluster.run(
+            ["sbatch", "--parsable", *TWO_NODES, str(SCRIPT), "--config", str(config)],
+            check=True,
+            env=env,
+        )
+        job_id = submitted.stdout.strip()
+        log = cluster.shared / f"raytrain-{job_id}.out"
+        if _first_checkpoint_written(cluster, s3, checkpoints, job_id, log, attempt):
+            break
+
     lost = node_ray_processes(cluster.nodes[1], job_id)
     assert lost, "no Ray process of the job on node 2"
     for pid in lost:
@@ -230,6 +227,24 @@ def test_two_nodes_train_one_worker_each_into_the_bucket_and_finish_on_one_when_
     # Nothing of the run on the shared filesystem or either node's disk.
     assert not list(cluster.shared.glob("**/spread/config.yaml"))
     assert not (cluster.shared / "s3:").exists()
+
+
+def _first_checkpoint_written(cluster, s3, checkpoints, job_id, log, attempt) -> bool:
+    """Wait until the first epoch's checkpoint is complete in the bucket (its manifest is
+    put last), so the run continues from it. False only when the job's Ray never started
+    on the first attempt: Ray gives a raylet a fixed 30 s to register, which the whole suite
+    running beside this test on 2 cores has exceeded; the script then fails the job before
+    anything is written (what this test is about starts after), and it is submitted again."""
+    deadline = time.monotonic() + 240
+    while not any(p.endswith("/manifest.json") for p in cluster.list_objects(s3, checkpoints)):
+        state = cluster.job_state(job_id)
+        never_started = "Ray did not start on every node" in log_text(log)
+        if state not in ("PENDING", "RUNNING") and never_started and attempt == 1:
+            return False
+        assert state in ("PENDING", "RUNNING"), log_text(log)
+        assert time.monotonic() < deadline, log_text(log)
+        time.sleep(0.5)
+    return True
 
 
 def test_a_node_local_output_dir_is_refused_before_training(cluster):
