@@ -26,10 +26,11 @@ from typing import Any
 from raytrain_app.driver.reachability import check_reachable
 from raytrain_app.errors import BadInputError, first_line
 from raytrain_app.planning.environment import (
-    S3_VARIABLES,
     enable_client_token_auth,
     job_server_address,
+    storage_env_vars,
 )
+from raytrain_app.storage import uri_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,6 @@ _EXCLUDES = [
     ".envrc",
 ]
 _VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# A scheme of two or more letters, so that a Windows drive (C:\runs) stays a path.
-_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 def _client(address: str | None) -> Any:
@@ -198,13 +197,10 @@ def _named_variables(names: Sequence[str]) -> dict[str, str]:
 def _store_variables(locations: dict[str, str | None]) -> dict[str, str]:
     """What the job needs of this shell to reach the stores ``locations`` (config key ->
     path or URI) are in: S3's variables when one is in S3, nothing for any other store."""
-    schemes = {}
-    for key, where in locations.items():
-        match = _URI.match(where or "")
-        if match and match[1].lower() != "file":
-            schemes[key] = match[1].lower()
+    schemes = {key: uri_scheme(where) for key, where in locations.items() if where}
+    schemes = {key: scheme for key, scheme in schemes.items() if scheme not in (None, "file")}
     on_s3 = [key for key, scheme in schemes.items() if scheme == "s3"]
-    found = {name: os.environ[name] for name in S3_VARIABLES if name in os.environ}
+    found = storage_env_vars()
     if on_s3 and found:
         logger.info("%s in S3: the job gets this shell's %s", " and ".join(on_s3), ", ".join(found))
     elif on_s3:

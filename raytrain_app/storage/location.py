@@ -25,7 +25,8 @@ import pyarrow.fs as pafs
 from raytrain_app.errors import BadInputError, first_line
 
 # A scheme of two or more letters, so that a Windows drive (C:\runs) stays a path.
-_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
+# A scheme of two or more letters, so that a Windows drive (C:\\runs) stays a path.
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 # The userinfo of a URI anywhere in a text: ``user[:password]@`` before the host, or a
@@ -40,7 +41,13 @@ _CREDENTIALS = re.compile(
 
 def is_uri(text: str | os.PathLike) -> bool:
     """Whether ``text`` names a filesystem by URI (``s3://bucket/x``), not a local path."""
-    return bool(_URI.match(os.fspath(text)))
+    return uri_scheme(text) is not None
+
+
+def uri_scheme(text: str | os.PathLike) -> str | None:
+    """The scheme of a URI, lower case (``s3``), or None for a local path."""
+    match = _URI.match(os.fspath(text))
+    return match[1].lower() if match else None
 
 
 def has_credentials(text: str | os.PathLike) -> bool:
