@@ -5,6 +5,13 @@ checkpoint and rewrite its manifest. Each test edits a copy of one real finished
 (``raytrain train --local``) the way such a person would, then runs the command a
 colleague would run on it, and checks both the one-line refusal and that nothing ran:
 the payloads only ever create marker files.
+
+Speed: a fresh ``python -m raytrain_app.cli`` pays several seconds of torch and Ray imports.
+So one runner process imports the CLI once and forks a child per command; the child takes
+the command's working directory and environment, then runs ``sys.exit(cli.main())`` with its
+own stdout, stderr and exit status, exactly as the entry point does. Nothing the commands
+load is imported before the fork (the payload modules above all), so each child imports
+what the command imports, as a fresh process would.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,18 +65,149 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _cli(workspace: Path, *argv: str) -> subprocess.CompletedProcess:
-    """``raytrain <argv>`` in ``workspace``, where user packages on PYTHONPATH are importable."""
-    env = isolated_env(
+def _env(workspace: Path) -> dict[str, str]:
+    """The environment of ``raytrain`` in ``workspace``, where user packages on PYTHONPATH
+    are importable."""
+    return isolated_env(
         workspace / "home",
         PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
         RAYTRAIN_TEST_MARKER=str(workspace / "marker"),
         CUDA_VISIBLE_DEVICES="",
     )
-    command = [sys.executable, "-m", "raytrain_app.cli", *argv]
-    return subprocess.run(
-        command, cwd=workspace, env=env, capture_output=True, text=True, timeout=300
-    )
+
+
+class ForkingCli:
+    """A process that imported the CLI once and runs each command in a forked child."""
+
+    def __init__(self, base: Path) -> None:
+        self.io = base / "io"
+        self.io.mkdir()
+        env = _env(base)
+        del env["RAYTRAIN_TEST_MARKER"]  # the runner itself imports no payload
+        self.log = (self.io / "runner.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _RUNNER],
+            cwd=base,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        self.count = 0
+        ready = self.proc.stdout.readline()
+        assert ready == "ready\n", (self.io / "runner.log").read_text()
+
+    def run(self, workspace: Path, argv: tuple[str, ...]) -> subprocess.CompletedProcess:
+        self.count += 1
+        out, err = self.io / f"{self.count}.out", self.io / f"{self.count}.err"
+        job = {
+            "argv": list(argv),
+            "cwd": str(workspace),
+            "env": _env(workspace),
+            "stdout": str(out),
+            "stderr": str(err),
+            "timeout_s": 300,
+        }
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, (self.io / "runner.log").read_text()
+        code = json.loads(reply)["code"]
+        assert isinstance(code, int), f"raytrain {' '.join(argv)}: {code}"
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # end of input ends the runner
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# Runs in the runner process: import once, then fork per command. A child exits as
+# ``python -m raytrain_app.cli`` would: in the command's working directory (first on
+# sys.path) and environment, sys.exit(main()), an uncaught exception printing a traceback.
+_RUNNER = r"""
+import json, os, sys, time, traceback
+
+import ray  # noqa: F401
+import torch  # noqa: F401
+
+from raytrain_app import cli, predict  # noqa: F401
+from raytrain_app.driver import training  # noqa: F401
+
+
+def run_case(job):
+    os.chdir(job["cwd"])
+    os.environ.clear()
+    os.environ.update(job["env"])
+    sys.path[0] = job["cwd"]
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        target = os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = ["raytrain", *job["argv"]]
+    try:
+        code = cli.main()
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    return code
+
+
+print("ready", flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = run_case(job)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + job["timeout_s"]
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            code = "timed out"
+            break
+        time.sleep(0.01)
+    print(json.dumps({"code": code}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> Iterator[ForkingCli]:
+    forking = ForkingCli(tmp_path_factory.mktemp("runner"))
+    yield forking
+    forking.close()
+
+
+@pytest.fixture
+def cli(runner):
+    """``raytrain <argv>`` in ``workspace``, where user packages on PYTHONPATH are importable."""
+
+    def run(workspace: Path, *argv: str) -> subprocess.CompletedProcess:
+        return runner.run(workspace, argv)
+
+    return run
 
 
 def _one_line_error(done: subprocess.CompletedProcess) -> str:
@@ -80,11 +219,12 @@ def _one_line_error(done: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
+def finished_run(tmp_path_factory, runner) -> Path:
     """A workspace holding one real finished run, ``runs/shared`` (built-in model and data)."""
     workspace = tmp_path_factory.mktemp("finished")
     (workspace / "run.yaml").write_text(yaml.safe_dump(CONFIG))
-    done = _cli(workspace, "train", "--local", "--no-progress", "--config", "run.yaml")
+    argv = ("train", "--local", "--no-progress", "--config", "run.yaml")
+    done = runner.run(workspace, argv)
     assert done.returncode == 0, done.stdout + done.stderr
     return workspace
 
@@ -127,10 +267,10 @@ def _ran(workspace: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("factory", ["model_factory", "data_factory"])
-def test_predict_refuses_a_checkpoint_naming_a_process_launcher(workspace, factory):
+def test_predict_refuses_a_checkpoint_naming_a_process_launcher(workspace, cli, factory):
     _name_launcher(workspace, factory)
 
-    message = _one_line_error(_cli(workspace, "predict", "--checkpoint", f"runs/{NAME}"))
+    message = _one_line_error(cli(workspace, "predict", "--checkpoint", f"runs/{NAME}"))
 
     assert "'process_launcher:launch'" in message and "--trust-code" in message, message
     assert _ran(workspace) == []
@@ -188,12 +328,12 @@ def test_a_module_inside_the_run_directory_is_never_imported_even_with_trust_cod
     assert _ran(workspace) == [] and module not in sys.modules
 
 
-def test_resume_refuses_a_train_state_carrying_a_pickle_payload(workspace):
+def test_resume_refuses_a_train_state_carrying_a_pickle_payload(workspace, cli):
     newest = _checkpoints(workspace)[-1]
     torch.save({"epoch": 2, "payload": _Payload(workspace / "marker")}, newest / TRAIN_STATE_FILE)
     write_manifest(newest)
 
-    done = _cli(workspace, "train", "--local", "--no-progress", "--config", "run.yaml")
+    done = cli(workspace, "train", "--local", "--no-progress", "--config", "run.yaml")
 
     message = _one_line_error(done)
     assert TRAIN_STATE_FILE in message and "unsupported GLOBAL posix.system" in message, message
@@ -209,20 +349,20 @@ def test_a_sharded_checkpoints_metadata_is_read_without_running_its_pickle(tmp_p
     assert not (tmp_path / "marker").exists()
 
 
-def test_predict_refuses_edited_metadata_with_one_line(workspace):
+def test_predict_refuses_edited_metadata_with_one_line(workspace, cli):
     checkpoint = _checkpoints(workspace)[-1]
     (checkpoint / META_FILE).write_text('{"model_factory": ')
     write_manifest(checkpoint)
-    message = _one_line_error(_cli(workspace, "predict", "--checkpoint", str(checkpoint)))
+    message = _one_line_error(cli(workspace, "predict", "--checkpoint", str(checkpoint)))
     assert f"{META_FILE}' is not valid JSON" in message, message
 
     (checkpoint / META_FILE).write_text(json.dumps({"model_factory": {"target": "x:y"}}))
     write_manifest(checkpoint)
-    message = _one_line_error(_cli(workspace, "predict", "--checkpoint", str(checkpoint)))
+    message = _one_line_error(cli(workspace, "predict", "--checkpoint", str(checkpoint)))
     assert "is not a raytrain checkpoint's metadata (data_info: field required)" in message
 
 
-def test_predict_never_overwrites_the_data_the_checkpoint_trained_on(finished_run, tmp_path):
+def test_predict_never_overwrites_the_data_the_checkpoint_trained_on(finished_run, cli, tmp_path):
     """Without --input, predictions are of the training data's validation split: an
     --output naming that file, by any spelling, is refused and the file left as it was.
     (On the finished run itself: its checkpoints name its own data file.)"""
@@ -236,7 +376,7 @@ def test_predict_never_overwrites_the_data_the_checkpoint_trained_on(finished_ru
         str(tmp_path / "link.parquet"),
     ]
     for output in spellings:
-        done = _cli(finished_run, "predict", "--checkpoint", f"runs/{NAME}", "--output", output)
+        done = cli(finished_run, "predict", "--checkpoint", f"runs/{NAME}", "--output", output)
         message = _one_line_error(done)
         assert "the data the checkpoint trained on" in message, message
     assert data.read_bytes() == before
@@ -261,8 +401,8 @@ def test_an_output_that_would_become_part_of_the_data_is_refused(
         refuse_overwriting_data(Path(output), ref, from_input=False)
 
 
-def test_predict_checks_the_output_folder_before_predicting(workspace):
-    done = _cli(workspace, "predict", "--checkpoint", f"runs/{NAME}", "--output", "no/such.parquet")
+def test_predict_checks_the_output_folder_before_predicting(workspace, cli):
+    done = cli(workspace, "predict", "--checkpoint", f"runs/{NAME}", "--output", "no/such.parquet")
     assert "the folder 'no' does not exist" in _one_line_error(done)
 
 
