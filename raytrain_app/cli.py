@@ -329,13 +329,15 @@ def _format_plan(env, plan) -> str:
 def _cmd_plan(args: argparse.Namespace) -> int:
     # The config first: a bad key fails before Ray and torch are imported (2 s).
     cfg = load_config(args.config, args.overrides)
+    from raytrain_app.driver.data_plan import data_plan, data_plan_line
     from raytrain_app.driver.ray_connection import connected_plan
 
     env, plan = connected_plan(cfg, args.address)
+    data = data_plan(cfg, plan)
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        print(json.dumps({**plan.to_dict(), **({"data": data} if data else {})}, indent=2))
     else:
-        print(_format_plan(env, plan))
+        print("\n".join([_format_plan(env, plan), *data_plan_line(data)]))
     return 0
 
 

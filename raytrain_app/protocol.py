@@ -26,6 +26,49 @@ augmentation is then the same for any world size and exact across mid-epoch resu
 keep the epoch where they see it (e.g. a shared-memory tensor, as
 ``raytrain_app.data.synthetic_images`` does).
 
+Ray Datasets (``train`` only)::
+
+    def build_data(params: dict, seed: int) -> RayDataSplits
+    RayDataSplits(train=ray_ds, val=ray_ds, to_batch=rows_to_tensors, info={...})
+    def rows_to_tensors(rows: dict[str, np.ndarray]) -> batch
+
+A data factory may return ``ray.data.Dataset`` objects instead. It then runs once, on the
+driver, after Ray is connected (not in every worker); its datasets go to Ray Train
+(``TorchTrainer(datasets=...)``) and every worker reads its shard with ``iter_batches``.
+``to_batch`` turns one micro-batch of rows (the ``dict`` of NumPy arrays ``iter_batches``
+gives) into what the step takes, e.g. ``(inputs, targets)`` tensors; make it a
+module-level function, since workers unpickle it. What raytrain promises for them:
+
+- The global batch per optimizer step, as planned: every rank takes
+  ``per_worker_batch_size`` rows per micro-batch and accumulates gradients as the plan
+  says, and every rank takes the same number of steps, ``train rows // global batch``
+  per epoch. Ray's ``streaming_split(equal=True)`` gives every rank the same number of
+  rows (it drops fewer than ``world_size`` of them) and raytrain adds no local shuffle
+  buffer, so no rank runs short.
+- NOT the same samples at every world size, and NOT an exact mid-epoch resume: Ray's split
+  hands whole blocks to the rank with the fewest rows so far, differently for each world
+  size, and keeps no position in an epoch. A mid-epoch resume skips this rank's batches
+  already trained in the epoch on the new split: it trains the right number of steps, not
+  the samples it missed. (raytrain turns Ray's locality hints off and preserves the
+  order, so a deterministic pipeline splits the same way again at the same world size;
+  that is how Ray behaves, not a promise.)
+- Validation counts every row once, for any number of workers: ``val`` is not split.
+  Every rank reads the whole validation dataset in a preserved order and keeps every
+  ``world_size``-th batch (batch ``j`` goes to rank ``j % world_size``), and checks it read
+  as many rows as the driver counted. So the validation pipeline must give the same rows
+  in the same order each time it runs (no ``random_shuffle``), and every rank pays for
+  reading all of it.
+- The driver counts the rows (``Dataset.count()``: free for a materialized dataset or a
+  plain Parquet read, one full run of the pipeline otherwise) and takes a few training
+  rows for the checks it runs before the workers start.
+- Ray Data's tasks need CPUs besides the training workers' unless the datasets are
+  materialized (``Dataset.materialize()``); leave some free (``scaling.cpus_per_worker``).
+- ``raytrain tune``, ``raytrain predict`` and ``--local`` refuse them: they need
+  ``DataSplits`` of map-style datasets, or ``data.path`` streaming.
+
+For an exact, world-size-invariant order and resume, give Parquet files as ``data.path``
+with streaming: raytrain owns the order there.
+
 Model factory::
 
     def build_model(params: dict, data_info: dict) -> ModelSpec
@@ -91,13 +134,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from raytrain_app.errors import BadInputError
+
+if TYPE_CHECKING:  # importing ray costs seconds; a worker or predict may never need it
+    import numpy as np
+    import ray.data
 
 
 @dataclass(frozen=True)
@@ -163,6 +210,37 @@ class DataSplits:
     def batch_collate(self) -> CollateFn:
         """What every loader of these splits batches with: ``collate``, or raytrain's."""
         return self.collate or collate
+
+
+RowsToBatch = Callable[["dict[str, np.ndarray]"], Any]
+
+
+@dataclass(frozen=True)
+class RayDataSplits:
+    """What a data factory may return instead of ``DataSplits``: Ray Datasets (see the
+    module docstring for what raytrain promises for them).
+
+    Attributes:
+        train: the training rows; split over the workers by Ray Train.
+        val: the validation rows; read whole by every worker (deterministic order needed).
+        to_batch: turns a micro-batch of rows (``dict`` of NumPy arrays, one entry per
+            column) into the step's batch; a module-level function (it is pickled).
+        info: JSON-serialisable facts the model factory needs; stored in checkpoints.
+    """
+
+    train: ray.data.Dataset
+    val: ray.data.Dataset
+    to_batch: RowsToBatch
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+def ray_data_refusal(config_key: str, target: str, command: str) -> str:
+    """The one line with which a command that cannot use ``RayDataSplits`` refuses them."""
+    return (
+        f"{config_key}={target!r} returns RayDataSplits (Ray Datasets), which {command} "
+        f"cannot use: it needs DataSplits of map-style datasets, or Parquet files as "
+        f"data.path (streaming); only 'raytrain train' on Ray takes Ray Datasets"
+    )
 
 
 class CollatedBatch(Sequence):

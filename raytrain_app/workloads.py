@@ -11,12 +11,15 @@ import importlib
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from raytrain_app.config import DataConfig, ModelConfig
+from raytrain_app.config import DataConfig, ModelConfig, RaytrainConfig
 from raytrain_app.errors import BadInputError
-from raytrain_app.protocol import DataSplits, ModelSpec
+from raytrain_app.protocol import DataSplits, ModelSpec, RayDataSplits, ray_data_refusal
 from raytrain_app.storage import StorageLocation, is_uri
+
+if TYPE_CHECKING:
+    from raytrain_app.data.stream_windows import StreamSplits
 
 BUILTIN_MODELS = {
     "wind_transformer": "raytrain_app.models.wind_transformer:build",
@@ -100,6 +103,13 @@ def check_sources(model: ModelConfig, data: DataConfig) -> None:
 
     ref = model_factory(model)
     import_target(ref.target, ref.config_key)
+    if data.streaming is True and (data.target or data.name == "synthetic_images"):
+        source = f"data.target={data.target!r}" if data.target else "data.name=synthetic_images"
+        raise BadInputError(
+            f"data.streaming=true streams Parquet data (data.path, or data.name=synthetic_wind), "
+            f"not {source}; a data factory streams by returning Ray Datasets (RayDataSplits): "
+            "set data.streaming to auto or false"
+        )
     if data.target:
         import_target(data.target, "data.target")
     elif data.path:
@@ -130,7 +140,12 @@ def _data_path(path: str, absolute: bool) -> str:
     return str(local.absolute() if absolute else local)
 
 
-def prepare_data(data: DataConfig, data_dir: Path | StorageLocation, seed: int) -> FactoryRef:
+def prepare_data(
+    data: DataConfig,
+    data_dir: Path | StorageLocation,
+    seed: int,
+    task_env: dict[str, str] | None = None,
+) -> FactoryRef:
     """Do the driver-side data work once and return what workers call to load the data.
 
     The synthetic wind dataset is generated here, once, and cached as Parquet in
@@ -146,7 +161,8 @@ def prepare_data(data: DataConfig, data_dir: Path | StorageLocation, seed: int) 
     if data.path:
         _check_params(data.params, parquet_windows.WINDOW_PARAMS, "data")
         path = _data_path(data.path, absolute=True)
-        return FactoryRef(_PARQUET_FACTORY, {"path": path, **data.params}, "data.path")
+        params = {"path": path, **data.params}
+        return _parquet_ref(data, data_dir, params, "data.path", task_env)
     _check_builtin_data(data)
     if data.name != "synthetic_wind":
         return FactoryRef(BUILTIN_DATA[data.name], dict(data.params), "data.name")
@@ -161,7 +177,56 @@ def prepare_data(data: DataConfig, data_dir: Path | StorageLocation, seed: int) 
         "time_column": synthetic_wind.TIME_COLUMN,
         **windows,
     }
-    return FactoryRef(_PARQUET_FACTORY, params, "data.name")
+    return _parquet_ref(data, data_dir, params, "data.name", task_env)
+
+
+def resolve_streaming(cfg: RaytrainConfig) -> RaytrainConfig:
+    """``cfg`` with ``data.streaming: auto`` decided (``data.stream_choice``): Parquet data
+    (``data.path``) streams above a size; the synthetic data and factories' data do not."""
+    if cfg.data.streaming != "auto":
+        return cfg
+    from raytrain_app.data.stream_choice import streams
+
+    resolved = cfg.model_copy(deep=True)
+    resolved.data.streaming = bool(cfg.data.path) and streams(
+        "auto", _data_path(cfg.data.path, True)
+    )
+    return resolved
+
+
+def _parquet_ref(
+    data: DataConfig,
+    data_dir: Path | StorageLocation,
+    params: dict[str, Any],
+    key: str,
+    task_env: dict[str, str] | None,
+) -> FactoryRef:
+    """Parquet windows in memory, or (``data.streaming``) prepared once here for workers to
+    stream; ``task_env``: what the prepare pass's Ray tasks need to reach object stores."""
+    from raytrain_app.data import stream_windows
+    from raytrain_app.data.stream_choice import streams
+    from raytrain_app.data.stream_prepare import prepare_stream
+
+    if not streams(data.streaming, params["path"]):
+        return FactoryRef(_PARQUET_FACTORY, params, key)
+    windows = {k: v for k, v in params.items() if k != "path"}
+    prepared = prepare_stream(
+        params["path"],
+        windows,
+        stream_cache_root(data, data_dir),
+        resources=dict(data.preprocess_resources),
+        task_env=task_env,
+    )
+    return FactoryRef(stream_windows.FACTORY, {"folder": prepared.location}, key)
+
+
+def stream_cache_root(data: DataConfig, data_dir: Path | StorageLocation) -> StorageLocation:
+    """Where prepared streaming data lives: ``data.cache_dir``, or the run's ``data/stream``;
+    both places every node sees."""
+    if data.cache_dir:
+        return StorageLocation.parse(_data_path(data.cache_dir, absolute=True), "data.cache_dir")
+    run_data = data_dir if isinstance(data_dir, StorageLocation) else None
+    return (run_data or StorageLocation.local(Path(data_dir).absolute())).child("stream")
 
 
 def _materialize(data_dir: Path | StorageLocation, **arguments: Any) -> str:
@@ -189,9 +254,16 @@ def _generator_defaults() -> dict[str, Any]:
     return {name: signature.parameters[name].default for name in synthetic_wind.GENERATOR_PARAMS}
 
 
-def build_data(ref: FactoryRef, seed: int) -> DataSplits:
-    """Call the data factory (inside a worker) and check it kept the protocol."""
+def build_data(ref: FactoryRef, seed: int) -> DataSplits | StreamSplits:
+    """Call the data factory (inside a worker) and check it kept the protocol (or, for
+    prepared streaming data, is raytrain's own streaming factory)."""
+    from raytrain_app.data import stream_windows
+
     splits = import_target(ref.target, ref.config_key)(dict(ref.params), seed)
+    if ref.target == stream_windows.FACTORY and isinstance(splits, stream_windows.StreamSplits):
+        return splits
+    if isinstance(splits, RayDataSplits):  # only `raytrain train` on Ray hands them out
+        raise BadInputError(ray_data_refusal(ref.config_key, ref.target, "this command"))
     if not isinstance(splits, DataSplits):
         raise BadInputError(
             f"{ref.config_key}={ref.target!r} returned {type(splits).__name__}, not "

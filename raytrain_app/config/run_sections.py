@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from raytrain_app.config.base import (
     NonEmptyStr,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     _Section,
     refuse_credentials,
@@ -115,8 +116,26 @@ class DataConfig(_OneSource):
         default_factory=dict,
         description="Keyword parameters passed unchanged to the dataset builder or factory.",
     )
+    streaming: Literal["auto"] | bool = Field(
+        "auto",
+        description="Stream Parquet data (data.path, synthetic_wind) through a prepare pass on "
+        "Ray Data instead of loading it into every worker; auto: stream when the Parquet "
+        "files hold more than 1 GiB.",
+    )
+    preprocess_resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="Ray custom resources every preprocessing task of streaming data asks "
+        "for, so that it runs only on the nodes offering them (e.g. CPU-only nodes started "
+        "with --resources='{\"data_prep\": 64}' and {data_prep: 1} here); empty: any node.",
+    )
+    cache_dir: NonEmptyStr | None = Field(
+        None,
+        description="Folder (a shared path or a URI every node sees) for prepared streaming "
+        "data, reused by any run with the same files and window params; null: the run "
+        "directory's data/.",
+    )
 
-    _no_credentials = field_validator("path")(refuse_credentials)
+    _no_credentials = field_validator("path", "cache_dir")(refuse_credentials)
 
 
 class TuneConfig(_Section):

@@ -230,6 +230,13 @@ def check(params: Mapping[str, Any]) -> None:
     Quick enough for the driver to run before any cluster starts.
     """
     args = _build_arguments(params)
+    features, keys = check_window_arguments(args)
+    check_files(args["path"], [*features, args["target_column"]], keys)
+
+
+def check_window_arguments(args: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """Check ``build_windows``'s arguments (defaults filled in) as it would, reading no
+    file; the feature columns as a list and the sort keys that are set."""
     validate_window_settings(
         args["context_length"],
         args["horizon"],
@@ -238,7 +245,4 @@ def check(params: Mapping[str, Any]) -> None:
         args["season_length"],
     )
     check_missing_option(args["missing"])
-    features, keys = _column_lists(
-        args["feature_columns"], args["group_column"], args["time_column"]
-    )
-    check_files(args["path"], [*features, args["target_column"]], keys)
+    return _column_lists(args["feature_columns"], args["group_column"], args["time_column"])

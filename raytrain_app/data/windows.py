@@ -14,6 +14,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
+from raytrain_app.data.series_split import split_rows  # noqa: F401  (callers import it here)
 from raytrain_app.errors import BadInputError
 from raytrain_app.protocol import CollatedBatch
 
@@ -106,38 +107,6 @@ def group_bounds(table: pa.Table, group_column: str | None) -> list[tuple[int, i
     changes = np.flatnonzero(groups[1:] != groups[:-1]) + 1
     edges = [0, *changes.tolist(), table.num_rows]
     return list(itertools.pairwise(edges))
-
-
-def _train_length(num_steps: int, val_fraction: float) -> int:
-    """Number of leading timesteps of a series that belong to training."""
-    return round(num_steps * (1.0 - val_fraction))
-
-
-def _min_series_length(window: int, val_fraction: float) -> int:
-    """Smallest series length that yields at least one train and one val window."""
-    n = 2 * window
-    while _train_length(n, val_fraction) < window or n - _train_length(n, val_fraction) < window:
-        n += 1
-    return n
-
-
-def split_rows(
-    bounds: list[tuple[int, int]], window: int, val_fraction: float
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Split each group's row range chronologically into train and val ranges."""
-    train_rows, val_rows = [], []
-    for begin, end in bounds:
-        n_train = _train_length(end - begin, val_fraction)
-        if n_train < window or (end - begin) - n_train < window:
-            raise BadInputError(
-                f"A series has {end - begin} timesteps but needs at least "
-                f"{_min_series_length(window, val_fraction)} for one train and one val window "
-                f"(context_length + horizon = {window}, val_fraction = {val_fraction}); "
-                "lower data.params.context_length or data.params.horizon, or add data."
-            )
-        train_rows.append((begin, begin + n_train))
-        val_rows.append((begin + n_train, end))
-    return train_rows, val_rows
 
 
 def _window_starts(begin: int, end: int, window: int, stride: int) -> np.ndarray:

@@ -4,7 +4,8 @@ itself or cannot use.
 - Ray's Ctrl-C handler aborts the run without a checkpoint and exits the process;
   ``driver.signals.stop_on_signals`` checkpoints at the next step and stops instead.
 - Without Ray Datasets (raytrain's workers read through their own DataLoaders), Ray Train
-  would still start a DatasetManager actor and send every worker Ray Data's context.
+  would still start a DatasetManager actor and send every worker Ray Data's context; with
+  a data factory's Ray Datasets (``driver.ray_datasets``) it does both, as it must.
 - On a Ray this process started (``ray.init()`` without an address: it ends with this
   process) there is no autoscaler to ask for resources and no placement group can outlive
   the driver, so the autoscaling-coordinator and placement-group-cleaner actors are not
@@ -145,11 +146,15 @@ def run_trainer(
     checkpoints: StorageLocation,
     progress: bool,
     embedded_ray: bool,
+    datasets: dict[str, Any] | None = None,
+    dataset_config: ray.train.DataConfig | None = None,
 ) -> tuple[ray.train.Result, str | None]:
     """Run the TorchTrainer; returns its result and the stop signal received, if any.
 
     ``checkpoints`` is where Ray Train keeps the run's checkpoints (the run directory's
-    ``checkpoints/``: a local or shared path, or an object store).
+    ``checkpoints/``: a local or shared path, or an object store). ``datasets`` and
+    ``dataset_config``: a data factory's Ray Datasets (``driver.ray_datasets``), which Ray
+    Train splits over the workers; None for raytrain's own loaders.
     """
     plan = task.plan
     run_config = ray.train.RunConfig(
@@ -182,6 +187,8 @@ def run_trainer(
             torch_config=TorchConfig(backend=plan.backend, timeout_s=plan.timeout_s),
             scaling_config=scaling,
             run_config=run_config,
+            datasets=datasets,
+            dataset_config=dataset_config,
             embedded_ray=embedded_ray,
         )
         result = trainer.fit()

@@ -20,9 +20,12 @@ import ray.train
 
 from raytrain_app.checkpoint.ranking import best_checkpoint, check_monitor_on_one_batch
 from raytrain_app.config import RaytrainConfig, config_to_dict
+from raytrain_app.data.stream_order import stream_steps_per_epoch
+from raytrain_app.data.stream_windows import StreamSplits
 from raytrain_app.driver.failures import user_facing_error
 from raytrain_app.driver.local_run import local_processes_config, run_local, torchrun_rank
 from raytrain_app.driver.ray_connection import ray_session
+from raytrain_app.driver.ray_datasets import RayDataInputs, load_data_splits
 from raytrain_app.driver.run_directory import RunDirectory
 from raytrain_app.driver.run_lease import check_lease_held, hold_run_lease, refuse_if_held
 from raytrain_app.driver.shared_storage import check_shared
@@ -33,6 +36,7 @@ from raytrain_app.planning.environment import (
     Environment,
     apply_ray_train_defaults,
     detect_environment,
+    storage_env_vars,
 )
 from raytrain_app.planning.rules import TrainingPlan, make_plan, resolve_config
 from raytrain_app.storage import StorageLocation, is_uri
@@ -42,11 +46,11 @@ from raytrain_app.tracking.trackers import check_tracking_installed
 from raytrain_app.worker.loop import WorkerTask
 from raytrain_app.workloads import (
     FactoryRef,
-    build_data,
     build_model,
     check_sources,
     model_factory,
     prepare_data,
+    resolve_streaming,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,14 +83,24 @@ def _path_or_uri(text: str) -> Path | str:
     return text if is_uri(text) else Path(text)
 
 
-def preflight(cfg: RaytrainConfig, run_dir: RunDirectory, plan: TrainingPlan) -> FactoryRef:
+def preflight(
+    cfg: RaytrainConfig, run_dir: RunDirectory, plan: TrainingPlan, local: bool = False
+) -> tuple[FactoryRef, RayDataInputs | None]:
     """Prepare the data and build data and model once on the driver.
 
     Catches a broken workload (bad params, failing import, too little data) before any
-    worker starts, as a one-line BadInputError instead of retried worker failures.
+    worker starts, as a one-line BadInputError instead of retried worker failures. A data
+    factory's Ray Datasets are readied here for Ray Train (``driver.ray_datasets``).
     """
-    data_ref = prepare_data(cfg.data, run_dir.at("data"), cfg.experiment.seed)
-    splits = _checked("data", build_data, data_ref, cfg.experiment.seed)
+    data_ref = prepare_data(
+        cfg.data, run_dir.at("data"), cfg.experiment.seed, task_env=storage_env_vars()
+    )
+    command = "local" if local else "train"
+    loaded = _checked(
+        "data", load_data_splits, data_ref, cfg.experiment.seed, plan.effective_batch_size, command
+    )
+    ray_inputs = loaded if isinstance(loaded, RayDataInputs) else None
+    splits = ray_inputs.plan.splits() if ray_inputs else loaded
     spec = _checked("model", build_model, model_factory(cfg.model), dict(splits.info))
     if plan.gradient_checkpointing and not callable(
         getattr(spec.module, "gradient_checkpointing_enable", None)
@@ -96,9 +110,20 @@ def preflight(cfg: RaytrainConfig, run_dir: RunDirectory, plan: TrainingPlan) ->
             f"no gradient_checkpointing_enable() method; add one (see raytrain_app/protocol.py) "
             f"or set optimizations.gradient_checkpointing=false"
         )
-    check_monitor_on_one_batch(cfg.train.monitor, spec, splits.val, splits.collate)
-    steps_per_epoch(len(splits.train), plan.effective_batch_size)
-    return data_ref
+    if isinstance(splits, StreamSplits):  # the manifest tells the sizes; read two windows
+        check_monitor_on_one_batch(cfg.train.monitor, spec, splits.preview("val", 2))
+        stream_steps_per_epoch(splits.manifest, plan)
+    else:
+        check_monitor_on_one_batch(cfg.train.monitor, spec, splits.val, splits.collate)
+        if not ray_inputs:  # Ray Datasets were counted when readied
+            steps_per_epoch(len(splits.train), plan.effective_batch_size)
+    return data_ref, ray_inputs
+
+
+def _resolved(cfg: RaytrainConfig, plan: TrainingPlan) -> RaytrainConfig:
+    """``cfg`` with the plan's choices and whether the data streams: a resume must not
+    switch between streaming and loading the data (their orders differ)."""
+    return resolve_streaming(resolve_config(cfg, plan))
 
 
 def _checked(section: str, factory: Any, *args: Any) -> Any:
@@ -195,14 +220,14 @@ def train(
         # Ray will run on this machine: plan against it first, so bad input fails in a
         # second instead of after Ray's start-up.
         local_plan = make_plan(cfg, env)
-        RunDirectory.for_config(cfg).check_resumable(resolve_config(cfg, local_plan))
+        RunDirectory.for_config(cfg).check_resumable(_resolved(cfg, local_plan))
     # A run directory another run is writing: exit 2 now, before Ray starts (the directory
     # depends on the name and output_dir alone; nothing is written to look).
     refuse_if_held(RunDirectory.for_config(cfg).location.uri, "train")
     apply_ray_train_defaults()
     with contextlib.nullcontext(env) if local else ray_session(address, env) as cluster_env:
         plan = make_plan(cfg, cluster_env)
-        resolved = resolve_config(cfg, plan)
+        resolved = _resolved(cfg, plan)
         run_dir = RunDirectory.for_config(resolved)
         # An object store is the same store on every node; local mode runs on this one.
         if run_dir.location.is_local and not local:
@@ -244,7 +269,7 @@ def _run(
     local: bool = False,
 ) -> tuple[ray.train.Result, str | None]:
     """Check the workload on the driver, write config.yaml, run the TorchTrainer."""
-    data_ref = preflight(resolved, run_dir, plan)
+    data_ref, ray_inputs = preflight(resolved, run_dir, plan, local)
     run_dir.write_config(resolved)
     how = " locally (Ray Train's local mode)" if local else ""
     logger.info("%s run%s in %s", "resuming" if resuming else "starting", how, run_dir.location)
@@ -254,12 +279,19 @@ def _run(
         data=data_ref,
         model=model_factory(resolved.model),
         run_dir=run_dir.location.uri,
+        ray_data=ray_inputs.plan if ray_inputs else None,
     )
     if local:
         return run_local(task, resolved, run_dir.at("checkpoints"))
     try:
         return run_trainer(
-            task, resolved, run_dir.at("checkpoints"), progress, cluster_env.embedded_ray
+            task,
+            resolved,
+            run_dir.at("checkpoints"),
+            progress,
+            cluster_env.embedded_ray,
+            datasets=ray_inputs.datasets if ray_inputs else None,
+            dataset_config=ray_inputs.dataset_config if ray_inputs else None,
         )
     except ray.train.TrainingFailedError as exc:
         raise user_facing_error(exc, plan.timeout_s) from exc

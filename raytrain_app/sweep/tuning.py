@@ -40,6 +40,7 @@ from raytrain_app.config import (
     config_with_values,
     dump_config_yaml,
 )
+from raytrain_app.driver.ray_datasets import load_data_splits
 from raytrain_app.driver.run_directory import RunDirectory
 from raytrain_app.driver.run_lease import check_lease_held, hold_run_lease
 from raytrain_app.driver.shared_storage import check_shared
@@ -188,7 +189,7 @@ def run_trial(
         config=config_to_dict(resolve_config(cfg, plan)),
         plan=plan,
         # Cached and written atomically, so concurrent trials generate the data once.
-        data=prepare_data(cfg.data, run.child("data"), cfg.experiment.seed),
+        data=prepare_data(cfg.data, run.child("data"), cfg.experiment.seed, task_env=storage_env),
         model=model_factory(cfg.model),
         run_dir=trial_dir.uri,
         # Tune's trial table shows progress; per-epoch lines from every trial would bury it.
@@ -443,6 +444,14 @@ def _sweep(
     if run_dir.location.is_local:  # trials on other nodes write there too
         check_shared(run_dir.location.local_path.parent, cfg.experiment.output_dir)
     run_dir.write_config(cfg)
+    # Once here, on the cluster's CPUs, rather than in the first trials at once: streaming
+    # data is prepared (Ray Data) and the synthetic data generated; trials find it cached,
+    # unless their sampled data.params differ (then each prepares its own, once).
+    data_ref = prepare_data(
+        cfg.data, run_dir.at("data"), cfg.experiment.seed, task_env=storage_env_vars()
+    )
+    if cfg.data.target:  # a factory returning Ray Datasets is refused here, not per trial
+        load_data_splits(data_ref, cfg.experiment.seed, cfg.train.global_batch_size, "tune")
     grid, interrupted = _fit_noting_interrupt(_tuner(cfg, space, run_dir, cluster_env, trust_code))
     keys = list(space)
     trials = pd.DataFrame([_trial_row(r, keys, cfg, interrupted) for r in grid])

@@ -7,6 +7,7 @@ temp dir on their command lines and signalled one by one (``processes``).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -207,9 +208,16 @@ class RayNode:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def join_node(head: RayHead, num_cpus: int = 1, *, pythonpath: str | None = None) -> RayNode:
+def join_node(
+    head: RayHead,
+    num_cpus: int = 1,
+    *,
+    pythonpath: str | None = None,
+    resources: dict[str, float] | None = None,
+) -> RayNode:
     """``ray start --address`` of another node with ``num_cpus``, on free ports, with its
-    own temp dir (the marker its processes are found by). ``pythonpath`` as ``start_head``."""
+    own temp dir (the marker its processes are found by). ``pythonpath`` as ``start_head``;
+    ``resources``: custom resources the node offers (``{"data_prep": 1000}``)."""
     node = RayNode(temp_dir=ray_temp_dir("rt-node-"))
     manager, objects, agent_listen, agent_grpc, runtime_env, metrics = free_ports(6)
     node_vars = {"RAY_AUTH_TOKEN": head.token, "RAY_AUTH_MODE": "token"}
@@ -231,6 +239,8 @@ def join_node(head: RayHead, num_cpus: int = 1, *, pythonpath: str | None = None
         f"--metrics-export-port={metrics}",
         "--disable-usage-stats",
     ]
+    if resources:
+        command.append(f"--resources={json.dumps(resources)}")
     try:
         started = subprocess.run(
             command, env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from raytrain_app.config import DataloaderConfig
+from raytrain_app.planning.batch import steps_per_epoch
 from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import CollateFn, collate
 from raytrain_app.worker.sampler import ResumableDistributedSampler
@@ -32,6 +33,9 @@ class WorkerLoaders:
     raw: tuple[DataLoader, DataLoader]
     seed: int
     rank: int
+    steps_per_epoch: int
+    train_samples: int
+    val_samples: int
 
     def epoch_batches(self, epoch: int, skip_samples: int = 0) -> Iterator[Any]:
         """The train batches of ``epoch`` for this rank, after its first ``skip_samples``
@@ -109,6 +113,9 @@ def build_worker_loaders(
         raw=(train, val),
         seed=seed,
         rank=rank,
+        steps_per_epoch=steps_per_epoch(len(train_set), plan.effective_batch_size),
+        train_samples=len(train_set),
+        val_samples=len(val_set),
     )
 
 

@@ -25,18 +25,18 @@ from raytrain_app.checkpoint.train_state import LoopState, Trainables, load_resu
 from raytrain_app.config import RaytrainConfig, config_from_dict
 from raytrain_app.errors import BadInputError, RunFailedError
 from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
-from raytrain_app.planning.batch import steps_per_epoch
 from raytrain_app.planning.rules import TrainingPlan, plan_for_world_size
 from raytrain_app.protocol import ModelSpec, check_counts_hook, counted_metrics
 from raytrain_app.tracking.metrics_log import MetricsLog
 from raytrain_app.tracking.run_files import RankZeroFiles
 from raytrain_app.tracking.trackers import SweepTrial, Tracker, open_tracker
+from raytrain_app.worker.epoch_data import EpochData, build_epoch_data, probe_samples
 from raytrain_app.worker.fsdp import equal_forwards
 from raytrain_app.worker.global_metrics import Averages, Counts, EpochProgress, gather
-from raytrain_app.worker.loaders import WorkerLoaders, build_worker_loaders
 from raytrain_app.worker.model_companions import broadcast_buffers
 from raytrain_app.worker.model_setup import prepare_for_training
 from raytrain_app.worker.rank_zero import is_rank_zero, rank_zero_info, set_rank
+from raytrain_app.worker.ray_dataset_batches import RayDataPlan
 from raytrain_app.worker.reporting import Reporter, checkpoint_meta
 from raytrain_app.worker.session import RayTrainSession, WorkerSession
 from raytrain_app.worker.step import (
@@ -72,6 +72,7 @@ class WorkerTask:
     control: Any = None
     show_progress: bool = False  # rank 0 pushes progress for the driver's bar
     trial: SweepTrial | None = None  # a Tune trial: its sweep, for the trackers
+    ray_data: RayDataPlan | None = None  # a data factory's Ray Datasets (driver.ray_datasets)
 
 
 def train_worker(task: WorkerTask) -> dict[str, Any]:
@@ -98,7 +99,7 @@ class WorkerLoop:
         self._counted_names: set[str] = set()  # of metrics_from_counts, after an epoch
         self._counted_checked = False
         self.tracker = Tracker()  # rank 0's TensorBoard / MLflow / W&B, opened in _run
-        self.loaders: WorkerLoaders | None = None  # built in setup
+        self.loaders: EpochData | None = None  # built in setup
         self._last_push = 0.0  # when rank 0 last updated the driver's progress bar
 
     def run(self) -> dict[str, Any]:
@@ -181,7 +182,8 @@ class WorkerLoop:
         torch.backends.cudnn.allow_tf32 = plan.tf32
         self.device = self.session.device()
         seed = cfg.experiment.seed
-        splits = build_data(self.task.data, seed)
+        ray_data = self.task.ray_data
+        splits = ray_data.splits() if ray_data else build_data(self.task.data, seed)
         self.data_info = dict(splits.info)
         # Same seed on every rank and for every world size: identical initial weights.
         torch.manual_seed(seed)
@@ -192,22 +194,25 @@ class WorkerLoop:
             cfg.distributed,
             self.session,
             self.device,
-            splits.train,
+            probe_samples(splits, plan),
             splits.batch_collate(),
         )
         plan = self.plan  # the memory probe may have re-split the batch
-        self.loaders = build_worker_loaders(
-            splits.train,
-            splits.val,
-            plan,
-            cfg.dataloader,
-            seed=seed,
-            rank=self.rank,
-            world_size=self.world_size,
-            prepare=self.session.prepare_loader,
-            collate=splits.batch_collate(),
-        )
-        self.steps_per_epoch = steps_per_epoch(len(splits.train), plan.effective_batch_size)
+        if ray_data:  # the shards Ray Train hands this worker
+            self.loaders = ray_data.batches(
+                plan, rank=self.rank, world_size=self.world_size, device=self.device
+            )
+        else:
+            self.loaders = build_epoch_data(
+                splits,
+                plan,
+                cfg.dataloader,
+                seed=seed,
+                rank=self.rank,
+                world_size=self.world_size,
+                prepare=self.session.prepare_loader,
+            )
+        self.steps_per_epoch = self.loaders.steps_per_epoch
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, cfg.train, plan)
         self.stepper = OptimizerStep(
@@ -230,7 +235,11 @@ class WorkerLoop:
         )
         # Dropout and other runtime randomness differ per rank, as independent replicas should.
         _seed_runtime_rng(seed + 1 + self.rank)
-        rank_zero_info(logger, "plan: %s", self._plan_line(len(splits.train), len(splits.val)))
+        rank_zero_info(
+            logger,
+            "plan: %s",
+            self._plan_line(self.loaders.train_samples, self.loaders.val_samples),
+        )
 
     def _plan_line(self, n_train: int, n_val: int) -> str:
         p = self.plan

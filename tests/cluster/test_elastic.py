@@ -1,7 +1,12 @@
 """Elastic training (``scaling.num_workers: [1, 2]``) on a real Ray cluster whose second
 node is lost and later replaced: the run goes on with one worker, grows back to two, and
 ends where an uninterrupted two-worker run ends, because every size trains the same global
-batch on the same samples per optimizer step."""
+batch on the same samples per optimizer step.
+
+The data streams (``data.streaming: true``: Parquet prepared once, read by lanes): its
+order is the one that must survive the resizes. Data in memory keeps the same promise
+through its sampler, checked across world sizes in
+tests/unit/worker/test_resume_other_world_size.py."""
 
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
@@ -49,10 +57,37 @@ def train_command(head: RayHead, config: Path, **env: str) -> tuple[list[str], d
     return [*command, "--address", head.gcs_address], head.client_env(PYTHONPATH=WORKLOADS, **env)
 
 
+def write_series(path: Path) -> None:
+    """Two series whose 1610 training windows make 50 steps of 32 per epoch."""
+    rng = np.random.default_rng(3)
+    tables = []
+    for name, length in (("a", 1250), ("b", 800)):
+        t = np.arange(length)
+        signal = np.sin(t / 11) + rng.normal(0, 0.1, length)
+        tables.append(pa.table({"series": [name] * length, "t": t, "x": signal, "y": signal**2}))
+    pq.write_table(pa.concat_tables(tables), path)
+
+
 def elastic_config(tmp_path: Path, name: str, **changes) -> dict:
-    """The fault workload without dropout (random masks restart from the seed when the
-    world size changes), a checkpoint every 10 steps."""
-    cfg = fault_config(tmp_path / "runs", name, dropout=0.0)
+    """Streaming windows, a forecaster without randomness after initialisation, a
+    checkpoint every 10 steps."""
+    cfg = fault_config(tmp_path / "runs", name)
+    cfg["model"] = {"target": "window_regression:build_model", "params": {}}
+    data = tmp_path / "series.parquet"
+    if not data.exists():
+        write_series(data)
+    cfg["data"] = {
+        "path": str(data),
+        "streaming": True,
+        "params": {
+            "feature_columns": ["x"],
+            "target_column": "y",
+            "group_column": "series",
+            "time_column": "t",
+            "context_length": 12,
+            "horizon": 4,
+        },
+    }
     cfg["fault_tolerance"]["max_failures"] = 5
     for section, values in changes.items():
         cfg[section] = {**cfg.get(section, {}), **values}
@@ -93,7 +128,7 @@ def test_a_lost_node_shrinks_the_run_a_new_node_grows_it_and_it_ends_as_if_unint
         "elastic",
         # Slow steps, so the test can act mid-run: 20 s of 1-worker training for the new
         # node to join, where it takes under 10.
-        model={"params": {"dropout": 0.0, "sleep_s": 0.1}},
+        model={"params": {"sleep_s": 0.1}},
         scaling={"num_workers": [1, 2], "elastic_resize_interval_s": 2},
     )
     elastic.write_text(yaml.safe_dump(cfg))

@@ -1,0 +1,131 @@
+"""Reading windows of prepared streaming data: row groups in, standardised windows out.
+
+A ``WindowBlock`` holds the row groups that a set of windows needs, standardised, and where
+each window starts in them; ``gather`` cuts the windows out as one batch, as
+``WindowDataset.__getitems__`` does for data in memory (the same ``x`` and ``y`` layout).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from raytrain_app.data.stream_manifest import (
+    MANIFEST_NAME,
+    Split,
+    StreamManifest,
+    group_rows,
+)
+from raytrain_app.errors import BadInputError, first_line
+from raytrain_app.storage import StorageLocation
+
+
+def load_manifest(folder: str) -> StreamManifest:
+    """The manifest in ``folder`` (a local path or a URI), checked against its folder name."""
+    location = StorageLocation.parse(folder, "data.path")
+    source = f"'{location.child(MANIFEST_NAME)}'"
+    try:
+        text = location.child(MANIFEST_NAME).read_text()
+    except (OSError, FileNotFoundError) as exc:
+        raise BadInputError(
+            f"The streaming data manifest {source} cannot be read ({first_line(exc)}); run "
+            "again so that the data is prepared, or check that every node sees that folder."
+        ) from None
+    manifest = StreamManifest.from_json(text, source)
+    if manifest.key != location.name:
+        raise BadInputError(
+            f"The streaming data manifest {source} was written for other data (key "
+            f"{manifest.key[:12]}...); delete its folder so that the data is prepared again."
+        )
+    return manifest
+
+
+class PreparedFiles:
+    """The prepared series files of one manifest; reads row groups, standardised."""
+
+    def __init__(self, manifest: StreamManifest, folder: str) -> None:
+        self.manifest = manifest
+        self.folder = StorageLocation.parse(folder, "data.path")
+        stats = manifest.stats
+        self._mean = np.asarray([*stats.feature_mean, stats.target_mean], dtype=np.float64)
+        self._std = np.asarray([*stats.feature_std, stats.target_std], dtype=np.float64)
+        self._footers: dict[int, pq.FileMetaData] = {}
+        self._lock = threading.Lock()  # reader threads share the footers
+        self.bytes_read = 0  # row groups' uncompressed bytes, for tests and the benchmark
+
+    def read_group(self, series: int, group: int) -> np.ndarray:
+        """Row group ``group`` of series ``series``: ``[rows, features + 1]`` float32,
+        standardised with the training rows' statistics."""
+        entry = self.manifest.series[series]
+        location = self.folder.child(entry.file)
+        try:
+            with location.filesystem.open_input_file(location.path) as handle:
+                parquet = pq.ParquetFile(handle, metadata=self._footer(series))
+                table = parquet.read_row_group(group)
+                with self._lock:
+                    self._footers.setdefault(series, parquet.metadata)
+        except (OSError, ValueError) as exc:
+            raise BadInputError(
+                f"Prepared data file '{location}' cannot be read ({first_line(exc)}); delete "
+                f"'{self.folder}' so that the data is prepared again."
+            ) from None
+        begin, end = group_rows(self.manifest, entry, group)
+        if table.num_rows != end - begin or table.num_columns != self.manifest.num_columns:
+            raise BadInputError(
+                f"Prepared data file '{location}' does not match its manifest (row group "
+                f"{group}); delete '{self.folder}' so that the data is prepared again."
+            )
+        values = np.stack([c.to_numpy().astype(np.float64) for c in table.columns], axis=1)
+        with self._lock:
+            self.bytes_read += table.nbytes
+        # As data.scaling does: halving first keeps extreme values finite; float32 after.
+        return ((values / 2 - self._mean / 2) / (self._std / 2)).astype(np.float32)
+
+    def _footer(self, series: int) -> pq.FileMetaData | None:
+        with self._lock:
+            return self._footers.get(series)
+
+
+@dataclass
+class WindowBlock:
+    """Standardised rows and the row where each of a block's windows starts in them."""
+
+    rows: np.ndarray  # [rows, features + 1], float32
+    starts: np.ndarray  # [windows], int64, in the block's order
+    ids: np.ndarray  # [windows], the windows' ids among the split's windows
+    context_length: int
+    horizon: int
+
+    @cached_property
+    def _tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.rows)
+
+    def gather(self, part: slice | np.ndarray) -> list[torch.Tensor]:
+        """The windows at ``part`` of the block: ``[x, y]`` with ``x`` ``[B, context,
+        features + 1]`` and ``y`` ``[B, horizon]`` (the standardised target)."""
+        starts = torch.from_numpy(self.starts[part])[:, None]
+        x_rows = starts + torch.arange(self.context_length)
+        y_rows = starts + torch.arange(self.context_length, self.context_length + self.horizon)
+        return [self._tensor[x_rows], self._tensor[:, -1][y_rows]]
+
+
+def read_windows(files: PreparedFiles, split: Split, window_ids: np.ndarray) -> WindowBlock:
+    """The block of ``window_ids`` (of ``split``): every row group they need read once."""
+    manifest = files.manifest
+    chunks = manifest.chunks(split)
+    chunk, index = chunks.locate(window_ids)
+    series, group = chunks.series[chunk], chunks.group[chunk]
+    start_in_series = chunks.first[chunk] + index * manifest.stride
+    keys, which = np.unique(np.stack([series, group], axis=1), axis=0, return_inverse=True)
+    parts = [files.read_group(int(s), int(g)) for s, g in keys]
+    bases = np.concatenate([[0], np.cumsum([len(p) for p in parts])[:-1]]).astype(np.int64)
+    group_begin = keys[:, 1] * manifest.rows_per_group
+    which = which.reshape(-1)
+    starts = bases[which] + start_in_series - group_begin[which]
+    rows = np.concatenate(parts) if parts else np.empty((0, manifest.num_columns), np.float32)
+    return WindowBlock(rows, starts, window_ids, manifest.context_length, manifest.horizon)

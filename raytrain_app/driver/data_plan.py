@@ -1,0 +1,80 @@
+"""What ``raytrain plan`` shows of the data: whether it streams, how much there is, where
+it is prepared, and (once prepared) its windows and steps per epoch. Reads a listing and,
+if present, the prepared manifest; never the data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raytrain_app.config import RaytrainConfig
+from raytrain_app.data.stream_order import allowed_world_sizes, lane_count, stream_steps_per_epoch
+from raytrain_app.data.stream_prepare import locate_store
+from raytrain_app.driver.run_directory import RunDirectory
+from raytrain_app.planning.rules import TrainingPlan
+from raytrain_app.worker.stream_batches import read_ahead_bytes
+from raytrain_app.workloads import resolve_streaming, stream_cache_root
+
+
+def data_plan(cfg: RaytrainConfig, plan: TrainingPlan) -> dict[str, Any] | None:
+    """The data's part of the plan; None for data that never streams (a factory's data,
+    the synthetic images) or the synthetic wind data loaded in memory."""
+    data = resolve_streaming(cfg).data
+    if data.target or data.name == "synthetic_images" or not data.streaming:
+        return None if not data.path else {"streaming": False}
+    batch = plan.effective_batch_size
+    lanes = lane_count(batch, allowed_world_sizes(batch, plan.world_size, plan.worker_range))
+    where = dict(data.preprocess_resources) or "any node"
+    out: dict[str, Any] = {"streaming": True, "lanes": lanes, "preprocess_on": where}
+    if not data.path:  # the synthetic wind data is generated when the run starts
+        return out
+    root = stream_cache_root(data, RunDirectory.for_config(cfg).at("data"))
+    spot = locate_store(data.path, data.params, root)
+    window = spot.args["context_length"] + spot.args["horizon"]
+    columns = len(spot.args["feature_columns"]) + 1
+    out.update(
+        source_files=len(spot.files),
+        source_bytes=spot.source_bytes,
+        prepared_folder=spot.store.uri,
+        read_ahead_bytes=read_ahead_bytes(
+            spot.rows_per_group, window, columns, lanes // plan.world_size
+        ),
+    )
+    manifest = spot.prepared()
+    if manifest is not None:
+        out.update(
+            prepared=True,
+            train_windows=manifest.chunks("train").num_windows,
+            val_windows=manifest.chunks("val").num_windows,
+            steps_per_epoch=stream_steps_per_epoch(manifest, plan),
+        )
+    else:
+        out["prepared"] = False
+    return out
+
+
+def data_plan_line(described: dict[str, Any] | None) -> list[str]:
+    """The plan's ``data`` line(s) for people."""
+    if described is None:
+        return []
+    if not described["streaming"]:
+        return ["data        : Parquet loaded into every worker (data.streaming)"]
+    where = described["preprocess_on"]
+    where = where if isinstance(where, str) else f"nodes offering {where}"
+    line = f"data        : streaming over {described['lanes']} lanes, prepared on {where}"
+    if "source_files" not in described:
+        return [line + " when the run starts"]
+    size = f"{described['source_files']} file(s), {described['source_bytes'] / 1e6:.1f} MB"
+    lines = [f"{line}; {size} of Parquet"]
+    mib = described["read_ahead_bytes"] / 2**20
+    lines.append(f"              read ahead about {mib:.0f} MiB per worker")
+    if described["prepared"]:
+        lines.append(
+            f"              prepared in {described['prepared_folder']}: "
+            f"{described['train_windows']:,} train / {described['val_windows']:,} val windows, "
+            f"{described['steps_per_epoch']} steps per epoch"
+        )
+    else:
+        lines.append(
+            f"              prepared when the run starts, into {described['prepared_folder']}"
+        )
+    return lines
