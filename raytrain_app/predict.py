@@ -5,8 +5,11 @@ from __future__ import annotations
 import fnmatch
 import glob
 import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -14,10 +17,14 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader
 
-from raytrain_app.checkpoint.loading import load_model_spec
+from raytrain_app.checkpoint.loading import LoadedModel, load_model_spec
 from raytrain_app.checkpoint.trust import CodeTrust, checked_factory
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.data.parquet_source import resolve_paths
+from raytrain_app.data.stream_manifest import ScalingStats
+from raytrain_app.data.stream_prepare import prepare_stream
+from raytrain_app.data.stream_reader import PreparedFiles, load_manifest, window_batches
+from raytrain_app.data.stream_windows import FACTORY as STREAM_FACTORY
 from raytrain_app.errors import BadInputError
 from raytrain_app.storage import is_uri
 from raytrain_app.workloads import FactoryRef, build_data
@@ -112,6 +119,8 @@ def predict(
     trust = CodeTrust.from_config(config, trust_code)
     loaded = load_model_spec(checkpoint, trust=trust)
     data_ref = checked_factory(loaded.data_factory, trust, loaded.meta_file, loaded.run_root)
+    if data_ref.target == STREAM_FACTORY:  # trained on streaming data: predict streams too
+        return _predict_streaming(loaded, data_ref, input_path, output, batch_size)
     ref = _input_data(data_ref, input_path)
     refuse_overwriting_data(output, ref, from_input=input_path is not None)
     spec, meta = loaded.spec, loaded.meta
@@ -135,6 +144,75 @@ def predict(
     columns.update({f"true_{k}": true[:, k] for k in range(true.shape[1])})
     pq.write_table(pa.table(columns), output)
     return output
+
+
+def _predict_streaming(
+    loaded: LoadedModel,
+    data_ref: FactoryRef,
+    input_path: str | None,
+    output: Path,
+    batch_size: int,
+) -> Path:
+    """The validation windows of the run's prepared data, or of ``--input`` prepared
+    with the run's window params, predicted batch by batch and written as they come.
+
+    ``--input`` is prepared in this process (no cluster): one pass holding the input's
+    columns, into a folder beside ``output`` that is removed afterwards. Both are scaled
+    with the training statistics."""
+    info = loaded.meta["data_info"]
+    with tempfile.TemporaryDirectory(prefix=".raytrain-predict-", dir=output.parent) as scratch:
+        if input_path is None:
+            folder = data_ref.params["folder"]
+        else:
+            if not is_uri(input_path) and not Path(input_path).exists():
+                raise BadInputError(f"--input '{input_path}' does not exist; pass a Parquet file")
+            input_ref = FactoryRef(_PARQUET_FACTORY, {"path": input_path}, "--input")
+            refuse_overwriting_data(output, input_ref, from_input=True)
+            folder = prepare_stream(input_path, _window_params(loaded.meta), scratch).location
+        manifest = load_manifest(folder)
+        if input_path is not None:  # the new data is scaled as the training data was
+            manifest = manifest.model_copy(update={"stats": ScalingStats(**_stats(info))})
+        files = PreparedFiles(manifest, folder)
+        span = batch_size * max(1, 4096 // batch_size)
+        _write_predictions(
+            loaded.spec, window_batches(files, "val", batch_size, span), info, output
+        )
+    return output
+
+
+def _write_predictions(spec: Any, batches: Iterator[Any], info: dict, output: Path) -> None:
+    """Predictions and truths (in the target's units) of ``batches``, appended per batch."""
+    predict_fn = spec.predict or (lambda m, batch: m(batch[0]))
+    writer = None
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                pred = _columns(predict_fn(spec.module, batch).numpy())
+                true = _columns(batch[1].numpy()) * info["target_std"] + info["target_mean"]
+                columns = {f"pred_{k}": pred[:, k] for k in range(pred.shape[1])}
+                columns.update({f"true_{k}": true[:, k] for k in range(true.shape[1])})
+                table = pa.table(columns)
+                writer = writer or pq.ParquetWriter(output, table.schema)
+                writer.write_table(table)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _window_params(meta: dict) -> dict:
+    """The run's ``data.params`` (its window and column params), from meta.json's config."""
+    data = (meta.get("config") or {}).get("data") or {}
+    params = data.get("params") if isinstance(data, dict) else None
+    if not isinstance(params, dict):
+        raise BadInputError(
+            "meta.json's config has no data.params; use a checkpoint written by raytrain"
+        )
+    return params
+
+
+def _stats(info: dict) -> dict:
+    keys = ("feature_mean", "feature_std", "target_mean", "target_std")
+    return {key: info[key] for key in keys}
 
 
 def _seed(meta: dict) -> int:

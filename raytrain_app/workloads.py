@@ -30,6 +30,8 @@ BUILTIN_DATA = {
     "synthetic_images": "raytrain_app.data.synthetic_images:build",
 }
 _PARQUET_FACTORY = "raytrain_app.data.parquet_windows:build"
+# Prepared streaming data: the factory only reads a manifest (data), like the one above.
+STREAM_FACTORY = "raytrain_app.data.stream_windows:build"
 # The synthetic data fixes its columns (and has no gaps); the windowing and the naive
 # baseline's season stay the user's choice.
 _SYNTHETIC_WINDOW_PARAMS = ("context_length", "horizon", "val_fraction", "stride", "season_length")

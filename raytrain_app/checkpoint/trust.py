@@ -26,11 +26,13 @@ from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from raytrain_app.config import RaytrainConfig, config_from_dict, load_config
 from raytrain_app.errors import BadInputError
-from raytrain_app.workloads import BUILTIN_DATA, BUILTIN_MODELS, FactoryRef
+from raytrain_app.workloads import BUILTIN_DATA, BUILTIN_MODELS, STREAM_FACTORY, FactoryRef
 
 # The flag every command that loads a checkpoint takes to call a factory it names.
 TRUST_FLAG = "--trust-code"
-BUILTIN_TARGETS = frozenset(BUILTIN_MODELS.values()) | frozenset(BUILTIN_DATA.values())
+BUILTIN_TARGETS = (
+    frozenset(BUILTIN_MODELS.values()) | frozenset(BUILTIN_DATA.values()) | {STREAM_FACTORY}
+)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ each window starts in them; ``gather`` cuts the windows out as one batch, as
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -129,3 +130,17 @@ def read_windows(files: PreparedFiles, split: Split, window_ids: np.ndarray) -> 
     starts = bases[which] + start_in_series - group_begin[which]
     rows = np.concatenate(parts) if parts else np.empty((0, manifest.num_columns), np.float32)
     return WindowBlock(rows, starts, window_ids, manifest.context_length, manifest.horizon)
+
+
+def window_batches(
+    files: PreparedFiles, split: Split, batch_size: int, span: int
+) -> Iterator[list[torch.Tensor]]:
+    """Every window of ``split`` in manifest order, in batches of ``batch_size``, reading
+    ``span`` windows (a multiple of ``batch_size``) at a time: for one process going
+    through a whole split (``raytrain predict``), its memory bounded by the span."""
+    total = files.manifest.chunks(split).num_windows
+    for begin in range(0, total, span):
+        ids = np.arange(begin, min(begin + span, total), dtype=np.int64)
+        block = read_windows(files, split, ids)
+        for first in range(0, len(ids), batch_size):
+            yield block.gather(slice(first, first + batch_size))

@@ -18,8 +18,9 @@ from raytrain_app.data.stream_manifest import Split, StreamManifest
 from raytrain_app.data.stream_reader import PreparedFiles, WindowBlock, load_manifest, read_windows
 from raytrain_app.errors import BadInputError
 from raytrain_app.protocol import CollatedBatch, CollateFn, collate
+from raytrain_app.workloads import STREAM_FACTORY
 
-FACTORY = "raytrain_app.data.stream_windows:build"
+FACTORY = STREAM_FACTORY
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ windows, read chunk by chunk: every window counts once for any number of workers
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -28,8 +27,6 @@ from raytrain_app.data.stream_order import (
 )
 from raytrain_app.data.stream_reader import PreparedFiles, WindowBlock, read_windows
 from raytrain_app.planning.rules import TrainingPlan
-
-logger = logging.getLogger(__name__)
 
 # Threads reading row groups ahead of training: enough to overlap a read per lane of a
 # rank with the step, few enough to leave the cores to the model.
@@ -126,7 +123,8 @@ class _EpochBatches:
             if stream.record_ids is not None:
                 ids = np.concatenate([b.ids[part] for b in blocks])
                 stream.record_ids.append((self.epoch, step, ids))
-            x, y = (_concat([b.gather(part)[k] for b in blocks]) for k in range(2))
+            gathered = [b.gather(part) for b in blocks]
+            x, y = (_concat([fields[k] for fields in gathered]) for k in range(2))
             for begin in range(0, len(x), micro):
                 yield [x[begin : begin + micro], y[begin : begin + micro]]
 

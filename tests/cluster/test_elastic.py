@@ -24,6 +24,7 @@ import yaml
 from fault_runs import assert_close_to, fault_config
 from loop_harness import LocalSession, run_loop, worker_task
 from paths import ROOT
+from stream_data import prepare_here
 
 from raytrain_app.checkpoint import store as ckpt
 from raytrain_app.config import config_from_dict
@@ -73,21 +74,20 @@ def elastic_config(tmp_path: Path, name: str, **changes) -> dict:
     checkpoint every 10 steps."""
     cfg = fault_config(tmp_path / "runs", name)
     cfg["model"] = {"target": "window_regression:build_model", "params": {}}
-    data = tmp_path / "series.parquet"
+    data, cache = tmp_path / "series.parquet", tmp_path / "prepared"
+    params = {
+        "feature_columns": ["x"],
+        "target_column": "y",
+        "group_column": "series",
+        "time_column": "t",
+        "context_length": 12,
+        "horizon": 4,
+    }
     if not data.exists():
         write_series(data)
-    cfg["data"] = {
-        "path": str(data),
-        "streaming": True,
-        "params": {
-            "feature_columns": ["x"],
-            "target_column": "y",
-            "group_column": "series",
-            "time_column": "t",
-            "context_length": 12,
-            "horizon": 4,
-        },
-    }
+        # Prepared once, here: both runs find it (the prepare pass on Ray is tested apart).
+        prepare_here(str(data), params, cache)
+    cfg["data"] = {"path": str(data), "streaming": True, "cache_dir": str(cache), "params": params}
     cfg["fault_tolerance"]["max_failures"] = 5
     for section, values in changes.items():
         cfg[section] = {**cfg.get(section, {}), **values}

@@ -38,12 +38,11 @@ def _config(tmp_path, name: str, workers: int, *overrides: str) -> rt.RaytrainCo
     )
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_ray_datasets_train_alike_on_1_and_2_workers(ray_cluster, tmp_path, workers):
-    cfg = _config(tmp_path, f"w{workers}", workers, "train.epochs=3")
-    rows = rt.train(cfg, progress=False).metrics
+def test_ray_datasets_train_on_2_workers_one_global_batch_a_step(ray_cluster, tmp_path):
+    """Two workers, where Ray's split of the rows matters (one worker reads them all)."""
+    rows = rt.train(_config(tmp_path, "w2", 2, "train.epochs=3"), progress=False).metrics
     assert rows[-1]["val_loss"] < 0.7 * rows[0]["val_loss"]
-    # The same steps per epoch for any number of workers, each of one global batch.
+    # Every step takes one global batch, from as many rows on each worker.
     assert [row["step"] for row in rows] == [STEPS, 2 * STEPS, 3 * STEPS]
     assert {row["train_rows"] for row in rows} == {STEPS * GLOBAL_BATCH}
     # Every validation row counted once, whatever the number of workers.

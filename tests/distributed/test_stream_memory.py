@@ -3,9 +3,9 @@ peak of the training worker, nor of the whole Ray process tree.
 
 The data (float64 Parquet, one file per series) is at least 10x the worker's allowance for
 data: the read-ahead bound that ``stream_batches.read_ahead_bytes`` computes from the lanes a
-rank reads (here one worker reads all 8). The prepare pass runs first, on its own (Ray
-Data's shuffle holds the data in the object store for a while, by design), and training
-then finds its output in ``data.cache_dir``. While the epoch trains, a sampler reads from
+rank reads (here one worker reads all 8). The prepare pass runs first, on its own and in
+this process (its memory on Ray is Ray Data's shuffle, not training's), and training then
+finds its output in ``data.cache_dir``. While the epoch trains, a sampler reads from
 /proc the training worker's peak resident memory (VmHWM: exact, however brief the peak) and
 the proportional set size (PSS: shared pages counted once) of every process of this
 session's Ray: Ray's own accounting does not see what workers hold (ray#65544).
@@ -21,9 +21,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from stream_data import prepare_here, stream_run_config
 
 import raytrain_app as rt
-from raytrain_app.data.stream_prepare import prepare_stream
 from raytrain_app.testing.processes import descendants, pids_naming
 from raytrain_app.worker.stream_batches import read_ahead_bytes
 
@@ -140,23 +140,14 @@ def peaks(ray_cluster, tmp_path_factory) -> dict[int, dict]:
     for factor in (1, 2):
         data = root / f"data{factor}"
         data_bytes = _write_data(data, SERIES * factor)
-        prepared[factor] = (data, data_bytes, prepare_stream(str(data), PARAMS, cache).manifest)
+        manifest = prepare_here(str(data), PARAMS, cache).manifest
+        prepared[factor] = (data, data_bytes, manifest)
     found = {}
     for factor, (data, data_bytes, manifest) in prepared.items():
-        config = {
-            "experiment": {"name": f"x{factor}", "output_dir": str(root / "runs")},
-            "data": {
-                "path": str(data),
-                "streaming": True,
-                "cache_dir": str(cache),
-                "params": PARAMS,
-            },
-            "model": {"target": "window_regression:build_model", "params": {"hidden": 8}},
-            "train": {"epochs": 1, "global_batch_size": 8, "lr": 1e-3},
-            "scaling": {"num_workers": 1},
-            "tracking": {"tensorboard": False, "loss_plot": False},
-            "fault_tolerance": {"max_failures": 0},
-        }
+        output = str(root / "runs")
+        config = stream_run_config(
+            f"x{factor}", output, str(data), str(cache), PARAMS, global_batch_size=8
+        )
         sampler = _PeakSampler(_ray_temp_dir())
         sampler.start()
         try:

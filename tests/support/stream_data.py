@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -100,3 +101,32 @@ def read_windows(
             ys.append(window[c : c + h, -1].astype(np.float32))
             where.append((int(s), start))
     return np.stack(xs), np.stack(ys), where
+
+
+def stream_run_config(
+    name: str, output_dir: str, path: str, cache_dir: str, params: dict, **train
+) -> dict:
+    """A run of ``window_regression`` on streaming ``path`` (prepared into ``cache_dir``):
+    one worker, no trackers, no retries."""
+    return {
+        "experiment": {"name": name, "output_dir": output_dir},
+        "data": {"path": path, "streaming": True, "cache_dir": cache_dir, "params": params},
+        "model": {"target": "window_regression:build_model", "params": {"hidden": 8}},
+        "train": {"epochs": 1, "lr": 3e-3, **train},
+        "scaling": {"num_workers": 1},
+        "tracking": {"tensorboard": False, "loss_plot": False},
+        "fault_tolerance": {"max_failures": 0},
+    }
+
+
+def prepare_here(path: str, params: dict, cache: Any, **options: Any) -> Any:
+    """``prepare_stream`` in this process even where Ray is up (the same bytes, as
+    tests/distributed/test_stream_prepare_on_ray.py shows): for tests about what happens
+    after the prepare pass, without paying Ray Data's start-up in each."""
+    import pytest
+
+    from raytrain_app.data import stream_prepare
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stream_prepare, "_ray_initialized", lambda: False)
+        return stream_prepare.prepare_stream(path, params, cache, **options)

@@ -5,10 +5,11 @@ how to fix it, print no traceback, start no Ray and leave the workspace byte for
 was, above all the finished run ``runs/existing`` that many cases aim at.
 
 Speed: a fresh ``python -m raytrain_app.cli`` pays ~3 s of torch and Ray imports, ~4 minutes of
-CPU for this table. So one runner process imports the CLI once and forks a child per case;
-the child runs ``sys.exit(cli.main())`` with its own stdout, stderr and exit status, exactly
-as the ``raytrain`` entry point does. ``ray.init`` is replaced in the runner, so a case that
-slips through to Ray fails with a traceback instead of starting a cluster.
+CPU for this table. So one runner process (``forking_cli.ForkingCli``) imports the CLI once and
+forks a child per case; the child runs ``sys.exit(cli.main())`` with its own stdout, stderr and
+exit status, exactly as the ``raytrain`` entry point does. ``ray.init`` is replaced in the
+runner (``refuse_ray_init``), so a case that slips through to Ray fails with a traceback instead
+of starting a cluster.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
+from forking_cli import ForkingCli
 from torch import nn
 
 from raytrain_app.checkpoint.store import MODEL_FILE, save_checkpoint
@@ -718,122 +718,28 @@ def workspace(tmp_path_factory) -> Workspace:
     return Workspace(ws, base / "io", _snapshot(run), free_ports(1)[0])
 
 
-class ForkingCli:
-    """A process that imported the CLI once and runs each case in a forked child."""
-
-    def __init__(self, workspace: Workspace) -> None:
-        env = isolated_env(
-            workspace.io.parent / "home",
-            RAY_TMPDIR=str(workspace.root / "raytmp"),
-            CUDA_VISIBLE_DEVICES="",  # the device cases assume a CPU-only machine
-        )
-        self.log = (workspace.io / "runner.log").open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _RUNNER],
-            cwd=workspace.root,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        self.io = workspace.io
-        ready = self.proc.stdout.readline()
-        assert ready == "ready\n", (workspace.io / "runner.log").read_text()
-
-    def run(self, case_id: str, argv: list[str], timeout_s: float) -> tuple[int, str, str]:
-        out, err = self.io / f"{case_id}.out", self.io / f"{case_id}.err"
-        job = {"argv": argv, "stdout": str(out), "stderr": str(err), "timeout_s": timeout_s}
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline()
-        assert reply, (self.io / "runner.log").read_text()
-        return json.loads(reply)["code"], out.read_text(), err.read_text()
-
-    def close(self) -> None:
-        # End of input ends the runner; it has nothing left to check, so one starved of CPU
-        # (the compatibility tier runs in the idle class beside the main suite) is killed
-        # rather than failing a test that already passed.
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
-# Runs in the runner process: import once, then fork per case. A child exits as the console
-# script would: sys.exit(main()) with an uncaught exception printing a traceback (status 1).
-_RUNNER = r"""
-import json, os, sys, time, traceback
-
-import ray
-
-from raytrain_app import cli, jobs, predict, workloads  # noqa: F401
-from raytrain_app.driver import training  # noqa: F401
-from raytrain_app.sweep import tuning  # noqa: F401
-
-
-def refuse(*args, **kwargs):
-    raise AssertionError("bad input got as far as ray.init")
-
-
-ray.init = refuse
-
-
-def run_case(job):
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        target = os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.argv = ["raytrain", *job["argv"]]
-    try:
-        code = cli.main()
-    except SystemExit as exc:
-        code = exc.code
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    return code
-
-
-print("ready", flush=True)
-for line in sys.stdin:
-    job = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = run_case(job)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    deadline = time.monotonic() + job["timeout_s"]
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            code = os.waitstatus_to_exitcode(status)
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            code = "timed out"
-            break
-        time.sleep(0.01)
-    print(json.dumps({"code": code}), flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
 def cli(workspace) -> Iterator[ForkingCli]:
-    runner = ForkingCli(workspace)
+    """The runner: every case runs in its cwd ``workspace.root`` and environment."""
+    env = isolated_env(
+        workspace.io.parent / "home",
+        RAY_TMPDIR=str(workspace.root / "raytmp"),
+        CUDA_VISIBLE_DEVICES="",  # the device cases assume a CPU-only machine
+    )
+    runner = ForkingCli(
+        cwd=workspace.root,
+        env=env,
+        io=workspace.io,
+        preimport=(
+            "raytrain_app.cli",
+            "raytrain_app.jobs",
+            "raytrain_app.predict",
+            "raytrain_app.workloads",
+            "raytrain_app.driver.training",
+            "raytrain_app.sweep.tuning",
+        ),
+        refuse_ray_init="bad input got as far as ray.init",
+    )
     yield runner
     runner.close()
 
@@ -856,7 +762,8 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(case, workspace, cl
     argv = [arg.replace("{port}", str(workspace.port)) for arg in case.argv]
     before = _snapshot(workspace.root)
 
-    code, out, err = cli.run(case.id, argv, case.timeout_s)
+    done = cli.run(argv, timeout_s=case.timeout_s, name=case.id)
+    code, out, err = done.returncode, done.stdout, done.stderr
 
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.strip()]

@@ -7,11 +7,12 @@ colleague would run on it, and checks both the one-line refusal and that nothing
 the payloads only ever create marker files.
 
 Speed: a fresh ``python -m raytrain_app.cli`` pays several seconds of torch and Ray imports.
-So one runner process imports the CLI once and forks a child per command; the child takes
-the command's working directory and environment, then runs ``sys.exit(cli.main())`` with its
-own stdout, stderr and exit status, exactly as the entry point does. Nothing the commands
-load is imported before the fork (the payload modules above all), so each child imports
-what the command imports, as a fresh process would.
+So one runner process (``forking_cli.ForkingCli``) imports the CLI once and forks a child
+per command; the child takes the command's working directory (first on sys.path) and
+environment, then runs ``sys.exit(cli.main())`` with its own stdout, stderr and exit status,
+exactly as the entry point does. Nothing the commands load is imported before the fork (the
+payload modules above all), so each child imports what the command imports, as a fresh
+process would; and ``ray.init`` is left as it is, since a finished run is trained for real.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from forking_cli import ForkingCli
 
 import raytrain_app as rt
 from raytrain_app.checkpoint import sharded
@@ -76,128 +78,35 @@ def _env(workspace: Path) -> dict[str, str]:
     )
 
 
-class ForkingCli:
-    """A process that imported the CLI once and runs each command in a forked child."""
-
-    def __init__(self, base: Path) -> None:
-        self.io = base / "io"
-        self.io.mkdir()
-        env = _env(base)
-        del env["RAYTRAIN_TEST_MARKER"]  # the runner itself imports no payload
-        self.log = (self.io / "runner.log").open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _RUNNER],
-            cwd=base,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        self.count = 0
-        ready = self.proc.stdout.readline()
-        assert ready == "ready\n", (self.io / "runner.log").read_text()
-
-    def run(self, workspace: Path, argv: tuple[str, ...]) -> subprocess.CompletedProcess:
-        self.count += 1
-        out, err = self.io / f"{self.count}.out", self.io / f"{self.count}.err"
-        job = {
-            "argv": list(argv),
-            "cwd": str(workspace),
-            "env": _env(workspace),
-            "stdout": str(out),
-            "stderr": str(err),
-            "timeout_s": 300,
-        }
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline()
-        assert reply, (self.io / "runner.log").read_text()
-        code = json.loads(reply)["code"]
-        assert isinstance(code, int), f"raytrain {' '.join(argv)}: {code}"
-        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
-
-    def close(self) -> None:
-        self.proc.stdin.close()  # end of input ends the runner
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
-# Runs in the runner process: import once, then fork per command. A child exits as
-# ``python -m raytrain_app.cli`` would: in the command's working directory (first on
-# sys.path) and environment, sys.exit(main()), an uncaught exception printing a traceback.
-_RUNNER = r"""
-import json, os, sys, time, traceback
-
-import ray  # noqa: F401
-import torch  # noqa: F401
-
-from raytrain_app import cli, predict  # noqa: F401
-from raytrain_app.driver import training  # noqa: F401
-
-
-def run_case(job):
-    os.chdir(job["cwd"])
-    os.environ.clear()
-    os.environ.update(job["env"])
-    sys.path[0] = job["cwd"]
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        target = os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.argv = ["raytrain", *job["argv"]]
-    try:
-        code = cli.main()
-    except SystemExit as exc:
-        code = exc.code
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    return code
-
-
-print("ready", flush=True)
-for line in sys.stdin:
-    job = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = run_case(job)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    deadline = time.monotonic() + job["timeout_s"]
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            code = os.waitstatus_to_exitcode(status)
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            code = "timed out"
-            break
-        time.sleep(0.01)
-    print(json.dumps({"code": code}), flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory) -> Iterator[ForkingCli]:
-    forking = ForkingCli(tmp_path_factory.mktemp("runner"))
+    """The runner: it pre-imports the CLI, predict and training (with torch and Ray) and no
+    payload, in its own workspace without the marker."""
+    base = tmp_path_factory.mktemp("runner")
+    (base / "io").mkdir()
+    env = _env(base)
+    del env["RAYTRAIN_TEST_MARKER"]  # the runner itself imports no payload
+    forking = ForkingCli(
+        cwd=base,
+        env=env,
+        io=base / "io",
+        preimport=(
+            "torch",
+            "raytrain_app.cli",
+            "raytrain_app.predict",
+            "raytrain_app.driver.training",
+        ),
+    )
     yield forking
     forking.close()
+
+
+def _run(runner: ForkingCli, workspace: Path, argv: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """``raytrain <argv>`` as a fresh process in ``workspace``: its cwd (first on sys.path)
+    and its environment."""
+    done = runner.run(argv, timeout_s=300, cwd=workspace, env=_env(workspace))
+    assert isinstance(done.returncode, int), f"raytrain {' '.join(argv)}: {done.returncode}"
+    return done
 
 
 @pytest.fixture
@@ -205,7 +114,7 @@ def cli(runner):
     """``raytrain <argv>`` in ``workspace``, where user packages on PYTHONPATH are importable."""
 
     def run(workspace: Path, *argv: str) -> subprocess.CompletedProcess:
-        return runner.run(workspace, argv)
+        return _run(runner, workspace, argv)
 
     return run
 
@@ -224,7 +133,7 @@ def finished_run(tmp_path_factory, runner) -> Path:
     workspace = tmp_path_factory.mktemp("finished")
     (workspace / "run.yaml").write_text(yaml.safe_dump(CONFIG))
     argv = ("train", "--local", "--no-progress", "--config", "run.yaml")
-    done = runner.run(workspace, argv)
+    done = _run(runner, workspace, argv)
     assert done.returncode == 0, done.stdout + done.stderr
     return workspace
 
