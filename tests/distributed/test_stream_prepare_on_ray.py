@@ -20,6 +20,7 @@ import raytrain_app as rt
 from raytrain_app.data import stream_prepare
 from raytrain_app.data.stream_prepare import prepare_stream
 from raytrain_app.errors import BadInputError
+from raytrain_app.planning.environment import storage_env_vars
 from raytrain_app.predict import predict
 from raytrain_app.storage import StorageLocation
 from raytrain_app.testing.s3_server import s3_for_this_process
@@ -32,7 +33,15 @@ def prepare(path, cache, *, in_process: bool = False, **params):
     with pytest.MonkeyPatch.context() as patch:
         if in_process:
             patch.setattr(stream_prepare, "_ray_initialized", lambda: False)
-        return prepare_stream(path, {**PARAMS, **params}, cache, rows_per_group=ROWS_PER_GROUP)
+        # As the driver calls it: the tasks get this process's S3 variables (none or the
+        # test server's), which workers on a running cluster would not see otherwise.
+        return prepare_stream(
+            path,
+            {**PARAMS, **params},
+            cache,
+            rows_per_group=ROWS_PER_GROUP,
+            task_env=storage_env_vars(),
+        )
 
 
 @pytest.fixture(scope="module")
