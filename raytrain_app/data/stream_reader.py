@@ -115,6 +115,27 @@ class WindowBlock:
         return [self._tensor[x_rows], self._tensor[:, -1][y_rows]]
 
 
+def merge_blocks(blocks: list[WindowBlock]) -> WindowBlock:
+    """Equal-length blocks (one per lane) as one, lane after lane: a step then takes its
+    windows of every lane with one gather (``lane_positions``)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    bases = np.cumsum([0, *(len(b.rows) for b in blocks[:-1])])
+    return WindowBlock(
+        rows=np.concatenate([b.rows for b in blocks]),
+        starts=np.concatenate([b.starts + base for b, base in zip(blocks, bases, strict=True)]),
+        ids=np.concatenate([b.ids for b in blocks]),
+        context_length=blocks[0].context_length,
+        horizon=blocks[0].horizon,
+    )
+
+
+def lane_positions(lanes: int, positions: int, part: slice) -> np.ndarray:
+    """Where ``part`` of every lane's block lies in their merge, lane after lane."""
+    lane_starts = np.arange(lanes, dtype=np.int64)[:, None] * positions
+    return (lane_starts + np.arange(part.start, part.stop)).reshape(-1)
+
+
 def read_windows(files: PreparedFiles, split: Split, window_ids: np.ndarray) -> WindowBlock:
     """The block of ``window_ids`` (of ``split``): every row group they need read once."""
     manifest = files.manifest

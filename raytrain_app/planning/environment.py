@@ -437,6 +437,10 @@ S3_VARIABLES = (
     "AWS_REGION",
     "AWS_ENDPOINT_URL",
     "AWS_ENDPOINT_URL_S3",
+    # S3-compatible stores (MinIO, Ceph, moto) may not take the AWS SDK's default
+    # aws-chunked uploads with trailing checksums; "when_required" turns them off.
+    "AWS_REQUEST_CHECKSUM_CALCULATION",
+    "AWS_RESPONSE_CHECKSUM_VALIDATION",
 )
 
 

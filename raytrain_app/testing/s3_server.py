@@ -32,6 +32,9 @@ CREDENTIALS = {
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
     "AWS_EC2_METADATA_DISABLED": "true",
+    # moto stores an aws-chunked upload (the SDK's default with trailing checksums) with
+    # its framing, so a Parquet file written from a Ray task would lose its magic bytes.
+    "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
 }
 
 # Run in the server's network namespace (``enter``): the caller may not reach the server.

@@ -15,7 +15,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import torch
 
 from raytrain_app.data.stream_order import (
     BLOCK_ROWS,
@@ -25,7 +24,13 @@ from raytrain_app.data.stream_order import (
     rank_lanes,
     stream_steps_per_epoch,
 )
-from raytrain_app.data.stream_reader import PreparedFiles, WindowBlock, read_windows
+from raytrain_app.data.stream_reader import (
+    PreparedFiles,
+    WindowBlock,
+    lane_positions,
+    merge_blocks,
+    read_windows,
+)
 from raytrain_app.planning.rules import TrainingPlan
 
 # Threads reading row groups ahead of training: enough to overlap a read per lane of a
@@ -109,8 +114,9 @@ class _EpochBatches:
 
     def __iter__(self) -> Iterator[list]:
         stream, order = self.stream, self.order
-        micro = stream.plan.per_worker_batch_size
+        micro, lanes = stream.plan.per_worker_batch_size, len(stream.my_lanes)
         held: dict[tuple[int, int], Future[WindowBlock]] = {}
+        merged: tuple[int, WindowBlock] | None = None  # the block all lanes are in, merged
         for step in range(self.first_step, order.steps):
             block = order.block_of_step(step)
             for lane in stream.my_lanes:
@@ -118,19 +124,16 @@ class _EpochBatches:
                     if (lane, wanted) not in held and wanted * order.block < order.lane_length:
                         held[(lane, wanted)] = stream.read_block(order, lane, wanted)
                 held.pop((lane, block - 1), None)
-            part = order.step_slice(step)
-            blocks = [held[(lane, block)].result() for lane in stream.my_lanes]
+            if merged is None or merged[0] != block:
+                # Once per block: every step of it then takes all its windows in one gather.
+                merged = (block, merge_blocks([held[(n, block)].result() for n in stream.my_lanes]))
+            current = merged[1]
+            at = lane_positions(lanes, len(current.ids) // lanes, order.step_slice(step))
             if stream.record_ids is not None:
-                ids = np.concatenate([b.ids[part] for b in blocks])
-                stream.record_ids.append((self.epoch, step, ids))
-            gathered = [b.gather(part) for b in blocks]
-            x, y = (_concat([fields[k] for fields in gathered]) for k in range(2))
+                stream.record_ids.append((self.epoch, step, current.ids[at]))
+            x, y = current.gather(at)
             for begin in range(0, len(x), micro):
                 yield [x[begin : begin + micro], y[begin : begin + micro]]
-
-
-def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class _ValidationBatches:
