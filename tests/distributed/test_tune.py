@@ -6,6 +6,7 @@ import json
 
 import pandas as pd
 import pytest
+import yaml
 
 import raytrain_app as rt
 from raytrain_app.cli import main
@@ -127,6 +128,9 @@ def _trial_pids(run_dir) -> dict[str, set[int]]:
 
 
 def test_a_reused_trial_process_starts_each_trial_clean(ray_cluster, tmp_path):
+    """Three identical trials, two in one reused process, train bit-identically: on
+    streaming data (``data.streaming: true``), which the sweep prepares once on Ray Data
+    and every trial streams in the same order."""
     cfg = sweep(
         tmp_path,
         "reused",
@@ -138,7 +142,11 @@ def test_a_reused_trial_process_starts_each_trial_clean(ray_cluster, tmp_path):
         },
     )
     cfg["train"] = {"epochs": 2}
+    cfg["data"] = {**TINY["data"], "streaming": True}
     result = rt.tune(cfg)
+    prepared = list((result.run_dir / "data" / "stream").glob("*/manifest.json"))
+    assert len(prepared) == 1  # prepared once, by the sweep, for every trial
+    assert yaml.safe_load(result.best_config_path.read_text())["data"]["streaming"] is True
     pids = _trial_pids(result.run_dir)
     assert len(pids) == 3 and len(set().union(*pids.values())) < 3  # a process ran 2+ trials
     columns = ["epoch", "step", "train_loss", "val_loss", "val_mae", "lr"]
