@@ -105,6 +105,7 @@ def test_a_train_job_succeeds_and_leaves_its_run_directory_in_a_bucket(ray_head,
         "AWS_SECRET_ACCESS_KEY",
         "AWS_DEFAULT_REGION",
         "AWS_ENDPOINT_URL",
+        "AWS_REQUEST_CHECKSUM_CALCULATION",  # the S3 test server's, a setting, no secret
     }
     logs = raytrain(
         ["jobs", "--address", ray_head.dashboard_url, "logs", job_id],

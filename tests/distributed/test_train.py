@@ -44,8 +44,25 @@ class _RunsByWorkers(dict):
         self.out = out
 
     def __missing__(self, workers: int):
+        before = _actor_ids()
         self[workers] = rt.train(small_config(self.out, f"w{workers}", workers), progress=False)
+        # What this run started (the session's Ray also serves other modules' runs, some
+        # with Ray Datasets, which do need Ray Train's dataset actors).
+        self.started_actors = getattr(self, "started_actors", set()) | {
+            name for actor_id, name in _actor_ids().items() if actor_id not in before
+        }
         return self[workers]
+
+
+def _actor_ids() -> dict[str, str]:
+    """Every actor of this session's Ray: id -> class name."""
+    import ray
+    from ray.util.state import list_actors
+
+    # This session's Ray by address: another Ray on the machine (a parallel test run, the
+    # cluster tier's head) would make an address-less query refuse to pick one.
+    address = ray.get_runtime_context().gcs_address
+    return {a.actor_id: a.class_name for a in list_actors(address=address, limit=1000)}
 
 
 @pytest.fixture(scope="module")
@@ -209,12 +226,7 @@ def test_the_runs_started_only_the_ray_actors_training_needs(runs):
     # On a Ray this process started, without Ray Datasets, Ray Train's dataset manager,
     # autoscaling coordinator and placement-group cleaner would each be one more process
     # to start before the first step (raytrain_app/driver/trainer.py).
-    import ray
-    from ray.util.state import list_actors
-
-    # This session's Ray by address: another Ray on the machine (a parallel test run, the
-    # cluster tier's head) would make an address-less query refuse to pick one.
-    address = ray.get_runtime_context().gcs_address
-    started = {actor.class_name for actor in list_actors(address=address, limit=1000)}
+    runs[1], runs[2]  # both trained (once per module)
+    started = runs.started_actors
     assert {"TrainController", "RayTrainWorker"} <= started
     assert not started & {"DatasetManager", "PlacementGroupCleaner", "_AutoscalingCoordinatorActor"}
