@@ -7,6 +7,7 @@ import glob
 import os
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -135,15 +136,21 @@ def predict(
         for batch in DataLoader(splits.val, batch_size, collate_fn=splits.batch_collate()):
             predictions.append(predict_fn(spec.module, batch).numpy())
             truths.append(batch[1].numpy())
-    pred = _columns(np.concatenate(predictions))
-    info = meta["data_info"]
-    true = _columns(np.concatenate(truths))
+    columns = _prediction_columns(
+        np.concatenate(predictions), np.concatenate(truths), meta["data_info"]
+    )
+    pq.write_table(pa.table(columns), output)
+    return output
+
+
+def _prediction_columns(pred: np.ndarray, true: np.ndarray, info: dict) -> dict:
+    """``pred_<k>`` and ``true_<k>`` columns, the truths in the target's own units."""
+    pred, true = _columns(pred), _columns(true)
     if "target_std" in info or "target_mean" in info:  # standardised regression targets
         true = true * info.get("target_std", 1.0) + info.get("target_mean", 0.0)
     columns = {f"pred_{k}": pred[:, k] for k in range(pred.shape[1])}
     columns.update({f"true_{k}": true[:, k] for k in range(true.shape[1])})
-    pq.write_table(pa.table(columns), output)
-    return output
+    return columns
 
 
 def _predict_streaming(
@@ -171,12 +178,12 @@ def _predict_streaming(
             folder = prepare_stream(input_path, _window_params(loaded.meta), scratch).location
         manifest = load_manifest(folder)
         if input_path is not None:  # the new data is scaled as the training data was
-            manifest = manifest.model_copy(update={"stats": ScalingStats(**_stats(info))})
+            stats = ScalingStats(**{key: info[key] for key in ScalingStats.model_fields})
+            manifest = manifest.model_copy(update={"stats": stats})
         files = PreparedFiles(manifest, folder)
-        span = batch_size * max(1, 4096 // batch_size)
-        _write_predictions(
-            loaded.spec, window_batches(files, "val", batch_size, span), info, output
-        )
+        with ThreadPoolExecutor(1, thread_name_prefix="raytrain-predict") as read_ahead:
+            batches = window_batches(files, "val", batch_size, read_ahead)
+            _write_predictions(loaded.spec, batches, info, output)
     return output
 
 
@@ -187,11 +194,8 @@ def _write_predictions(spec: Any, batches: Iterator[Any], info: dict, output: Pa
     try:
         with torch.no_grad():
             for batch in batches:
-                pred = _columns(predict_fn(spec.module, batch).numpy())
-                true = _columns(batch[1].numpy()) * info["target_std"] + info["target_mean"]
-                columns = {f"pred_{k}": pred[:, k] for k in range(pred.shape[1])}
-                columns.update({f"true_{k}": true[:, k] for k in range(true.shape[1])})
-                table = pa.table(columns)
+                pred = predict_fn(spec.module, batch).numpy()
+                table = pa.table(_prediction_columns(pred, batch[1].numpy(), info))
                 writer = writer or pq.ParquetWriter(output, table.schema)
                 writer.write_table(table)
     finally:
@@ -208,11 +212,6 @@ def _window_params(meta: dict) -> dict:
             "meta.json's config has no data.params; use a checkpoint written by raytrain"
         )
     return params
-
-
-def _stats(info: dict) -> dict:
-    keys = ("feature_mean", "feature_std", "target_mean", "target_std")
-    return {key: info[key] for key in keys}
 
 
 def _seed(meta: dict) -> int:

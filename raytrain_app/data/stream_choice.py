@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 from raytrain_app.data.parquet_source import DataFile, PathLike, resolve_paths
+from raytrain_app.data.stream_store import file_info
+from raytrain_app.storage import StorageLocation
 
 # data.streaming: auto streams above this: loading it into every worker would hold several
 # copies of it (the table, the float64 columns, the float32 windows) per worker process.
@@ -14,13 +15,8 @@ AUTO_STREAM_BYTES = 1 << 30
 
 def file_bytes(files: Sequence[DataFile]) -> int:
     """The files' total size on disk (compressed Parquet), from a listing: no data read."""
-    total = 0
-    for file in files:
-        if isinstance(file, Path):
-            total += file.stat().st_size
-        else:
-            total += file.filesystem.get_file_info(file.path).size or 0
-    return total
+    local = [file if isinstance(file, StorageLocation) else file.absolute() for file in files]
+    return sum(file_info(file)[1] or 0 for file in local)
 
 
 def streams(setting: str | bool, path: PathLike | Sequence[PathLike]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,12 +17,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from raytrain_app.data.scaling import _standardised
 from raytrain_app.data.stream_manifest import (
     MANIFEST_NAME,
     Split,
     StreamManifest,
     group_rows,
 )
+from raytrain_app.data.stream_order import BLOCK_ROWS
 from raytrain_app.errors import BadInputError, first_line
 from raytrain_app.storage import StorageLocation
 
@@ -84,8 +87,8 @@ class PreparedFiles:
         values = np.stack([c.to_numpy().astype(np.float64) for c in table.columns], axis=1)
         with self._lock:
             self.bytes_read += table.nbytes
-        # As data.scaling does: halving first keeps extreme values finite; float32 after.
-        return ((values / 2 - self._mean / 2) / (self._std / 2)).astype(np.float32)
+        # Scaled as data in memory is (data.scaling), then float32.
+        return _standardised(values, self._mean, self._std).astype(np.float32)
 
     def _footer(self, series: int) -> pq.FileMetaData | None:
         with self._lock:
@@ -154,14 +157,30 @@ def read_windows(files: PreparedFiles, split: Split, window_ids: np.ndarray) -> 
 
 
 def window_batches(
-    files: PreparedFiles, split: Split, batch_size: int, span: int
+    files: PreparedFiles,
+    split: Split,
+    batch_size: int,
+    read_ahead: Executor,
+    begin: int = 0,
+    end: int | None = None,
 ) -> Iterator[list[torch.Tensor]]:
-    """Every window of ``split`` in manifest order, in batches of ``batch_size``, reading
-    ``span`` windows (a multiple of ``batch_size``) at a time: for one process going
-    through a whole split (``raytrain predict``), its memory bounded by the span."""
-    total = files.manifest.chunks(split).num_windows
-    for begin in range(0, total, span):
-        ids = np.arange(begin, min(begin + span, total), dtype=np.int64)
-        block = read_windows(files, split, ids)
-        for first in range(0, len(ids), batch_size):
+    """Windows ``[begin, end)`` of ``split`` (default: all) in manifest order, in batches of
+    ``batch_size``. They are read in spans of whole batches starting within about
+    ``BLOCK_ROWS`` rows, so that a row group is read once per span rather than once per
+    batch and memory stays bounded; the next span is read on ``read_ahead`` while this
+    one is used."""
+    end = files.manifest.chunks(split).num_windows if end is None else end
+    span = batch_size * max(1, BLOCK_ROWS // files.manifest.stride // batch_size)
+    starts = range(begin, end, span)
+
+    def read(first: int) -> WindowBlock:
+        ids = np.arange(first, min(first + span, end), dtype=np.int64)
+        return read_windows(files, split, ids)
+
+    reads = [read_ahead.submit(read, first) for first in starts[:1]]
+    for index in range(len(starts)):
+        if index + 1 < len(starts):
+            reads.append(read_ahead.submit(read, starts[index + 1]))
+        block = reads.pop(0).result()
+        for first in range(0, len(block.ids), batch_size):
             yield block.gather(slice(first, first + batch_size))

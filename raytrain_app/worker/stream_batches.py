@@ -30,6 +30,7 @@ from raytrain_app.data.stream_reader import (
     lane_positions,
     merge_blocks,
     read_windows,
+    window_batches,
 )
 from raytrain_app.planning.rules import TrainingPlan
 
@@ -154,19 +155,7 @@ class _ValidationBatches:
         return -(-(self.end - self.begin) // self.batch)
 
     def __iter__(self) -> Iterator[list]:
-        # Spans of whole batches, each read at once: a row group is read once per span, not
-        # once per batch; the next span is read while this one validates.
-        stream, stride = self.stream, self.stream.files.manifest.stride
-        span = self.batch * max(1, BLOCK_ROWS // stride // self.batch)
-        starts = list(range(self.begin, self.end, span))
-        reads = [stream._pool.submit(self._read, a, span) for a in starts[:1]]
-        for index in range(len(starts)):
-            if index + 1 < len(starts):
-                reads.append(stream._pool.submit(self._read, starts[index + 1], span))
-            block = reads.pop(0).result()
-            for begin in range(0, len(block.ids), self.batch):
-                yield block.gather(slice(begin, begin + self.batch))
-
-    def _read(self, begin: int, span: int) -> WindowBlock:
-        ids = np.arange(begin, min(begin + span, self.end), dtype=np.int64)
-        return read_windows(self.stream.files, "val", ids)
+        stream = self.stream
+        return window_batches(
+            stream.files, "val", self.batch, stream._pool, begin=self.begin, end=self.end
+        )
