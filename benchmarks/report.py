@@ -10,6 +10,7 @@ _LABELS = {
     "ddp_parity": "DDP parity: raytrain 2 workers / torchrun 2 procs (s per epoch)",
     "first_step": "Time to first step, cold `raytrain train` (s)",
     "data_wait": "Data wait: share of step time waiting for the batch",
+    "streaming": "Streaming from S3: data wait share (samples/s vs a Ray Data loop)",
     "tune_overhead": "Tune overhead: sweep wall / (per-trial time x trials / concurrency)",
     "scaling": "Scaling: per-worker efficiency at the most workers",
     "forecast_quality": "Forecast quality: model MAE / best naive MAE, worst real series",

@@ -44,6 +44,7 @@ BENCHMARKS = {
     "ddp_parity": "benchmarks.ddp_parity",
     "first_step": "benchmarks.first_step",
     "data_wait": "benchmarks.data_wait",
+    "streaming": "benchmarks.streaming",
     "tune_overhead": "benchmarks.tune_overhead",
     "scaling": "benchmarks.scaling",
     "forecast_quality": "benchmarks.forecast_quality",

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from raytrain_app.config import load_config
 from raytrain_app.errors import BadInputError, RunFailedError, RunStoppedError
@@ -314,8 +314,12 @@ def _format_plan(env, plan) -> str:
                 if plan.ema_decay is not None
                 else "no EMA"
             ),
+            f"optimizer   : {plan.optimizer}",
             f"lr          : {plan.lr:.4g} (base {plan.base_lr:.4g}, scaling {plan.lr_scaling}), "
-            f"warmup {plan.warmup_steps} steps, cosine to {plan.min_lr_ratio:g}x",
+            f"{plan.schedule}" + _floor(plan),
+            f"stopping    : early stopping on {plan.monitor} ({plan.early_stopping})"
+            if plan.early_stopping
+            else "stopping    : after train.epochs (no early stopping)",
             f"dataloader  : {plan.dataloader_workers} loader processes per worker, "
             f"pin_memory {plan.pin_memory}",
             f"checkpoints : keep {_kept(plan.keep_checkpoints)} by {plan.monitor} "
@@ -324,6 +328,11 @@ def _format_plan(env, plan) -> str:
             *(f"note        : {note}" for note in plan.notes),
         ]
     )
+
+
+def _floor(plan: Any) -> str:
+    """Where cosine and linear decay end."""
+    return f" to {plan.min_lr_ratio:g}x" if plan.schedule.endswith(("cosine", "linear")) else ""
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

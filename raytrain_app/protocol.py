@@ -169,6 +169,8 @@ StepFn = Callable[[nn.Module, Any], StepOutput]
 PredictFn = Callable[[nn.Module, Any], torch.Tensor]
 CountsFn = Callable[[dict[str, torch.Tensor]], Mapping[str, Any]]
 CollateFn = Callable[[Any], Any]
+# (module, lr, total_steps) -> (optimizer, scheduler or None)
+ConfigureOptimizersFn = Callable[[nn.Module, float, int], tuple[Any, Any]]
 
 
 @dataclass(frozen=True)
@@ -182,12 +184,18 @@ class ModelSpec:
             ``module(batch[0])``.
         metrics_from_counts: turns the epoch's ``StepOutput.counts``, summed over all
             workers (float64 tensors on the CPU), into named metrics; ``None``: no counts.
+        configure_optimizers: full control of the optimisation, as Lightning's hook:
+            ``(module, lr, total_steps) -> (optimizer, scheduler or None)``, with ``lr`` the
+            plan's (scaling applied) and the scheduler stepped once per optimizer step.
+            ``None``: train.optimizer, train.schedule and their keys decide, which must then
+            keep their defaults.
     """
 
     module: nn.Module
     step: StepFn
     predict: PredictFn | None = None
     metrics_from_counts: CountsFn | None = None
+    configure_optimizers: ConfigureOptimizersFn | None = None
 
 
 @dataclass(frozen=True)

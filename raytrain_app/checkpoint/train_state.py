@@ -201,10 +201,11 @@ class Resumed:
 
 
 def load_resumable(
-    directory: Path, trainables: Trainables, lr: float, device: torch.device
+    directory: Path, trainables: Trainables, lr: float | None, device: torch.device
 ) -> Resumed:
     """Load ``directory`` into ``trainables`` (or, if it is torn or corrupted, the newest
-    intact checkpoint older than it). ``lr`` replaces the saved base learning rate."""
+    intact checkpoint older than it). ``lr`` replaces the saved base learning rate (times
+    each parameter group's lr_multiplier); None keeps the saved ones."""
     directory = ckpt.usable_checkpoint(directory)
     saved = ckpt.load_train_state(directory)
     t = trainables
@@ -218,7 +219,8 @@ def load_resumable(
     t.scheduler.load_state_dict(saved["scheduler"])
     # The current plan's lr wins over the saved one: equal on a plain resume, different
     # when a Tune PBT trial continues a better trial's checkpoint with a mutated lr.
-    t.scheduler.base_lrs = [lr] * len(t.scheduler.base_lrs)
+    if lr is not None:
+        _set_base_lr(t.scheduler, t.optimizer, lr)
     _load_scaler(t.scaler, saved["scaler"])
     state = LoopState(
         epoch=saved["epoch"],
@@ -229,6 +231,16 @@ def load_resumable(
         segments=saved.get("segments", []),  # absent in checkpoints of earlier versions
     )
     return Resumed(directory, state, saved["ranks"])
+
+
+def _set_base_lr(
+    scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer, lr: float
+) -> None:
+    """``lr`` as the schedule's peak for every group (and every scheduler a SequentialLR
+    chains), scaled by the group's lr_multiplier (absent in earlier checkpoints: 1)."""
+    base = [lr * group.get("lr_multiplier", 1.0) for group in optimizer.param_groups]
+    for each in [scheduler, *getattr(scheduler, "_schedulers", [])]:
+        each.base_lrs = list(base)
 
 
 def _load_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any]) -> None:

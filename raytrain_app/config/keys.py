@@ -1,8 +1,10 @@
 """Walking the schema's keys: sections, free-form mappings, and unknown keys with a suggestion."""
 
 import difflib
+import types
+import typing
 from collections.abc import Mapping
-from typing import Any, get_origin
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -14,9 +16,17 @@ _SECTIONS = tuple(RaytrainConfig.model_fields)
 
 
 def _section_model(field: FieldInfo) -> type[BaseModel] | None:
-    """The model class of a section field, or None for a plain value field."""
+    """The model class of a section field, or None for a plain value field; a section
+    that may also be a name or null (``train.optimizer``, ``train.early_stopping``) counts,
+    so its dotted keys can be set and swept."""
     tp = field.annotation
-    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+    union = get_origin(tp) in (typing.Union, types.UnionType)
+    models = [m for m in (get_args(tp) if union else (tp,)) if _is_model(m)]
+    return models[0] if len(models) == 1 else None
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
 
 
 def _is_free_form(field: FieldInfo) -> bool:

@@ -3,7 +3,7 @@
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from raytrain_app.config.base import (
     BatchSize,
@@ -13,6 +13,13 @@ from raytrain_app.config.base import (
     WorkerCount,
     WorkerRange,
     _Section,
+)
+from raytrain_app.config.recipe_sections import (
+    EarlyStoppingConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    check_no_weight_decay,
+    parse_schedule,
 )
 
 _MONITOR = re.compile(r"(train|val)_\w+")
@@ -65,11 +72,35 @@ class TrainConfig(_Section):
         lt=1,
         description="Floor of the cosine decay as a fraction of the peak lr.",
     )
-    optimizer: Literal["adamw", "adam", "sgd"] = Field(
-        "adamw", description="Optimizer used for every parameter."
+    optimizer: Literal["adamw", "adam", "sgd"] | OptimizerConfig = Field(
+        "adamw",
+        description="adamw, adam, sgd (momentum 0.9), or {target: 'torch.optim:SGD', params: "
+        "{momentum: 0.9, nesterov: true}}: any torch.optim.Optimizer (or a user's class) by "
+        "import path; lr always comes from the plan.",
     )
     weight_decay: float = Field(
         0.01, ge=0, description="Weight decay coefficient passed to the optimizer."
+    )
+    no_weight_decay: list[str] = Field(
+        default_factory=list,
+        description="Parameters trained without weight decay: kinds bias, norm (any "
+        "normalisation layer's weights), embedding, or fnmatch patterns of parameter names "
+        "(e.g. '*.pos_embed'); empty: decay on every parameter.",
+    )
+    lr_multipliers: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="fnmatch pattern of parameter names -> factor of the lr for them (the "
+        "first pattern that matches wins), e.g. {'backbone.*': 0.1}.",
+    )
+    schedule: ScheduleConfig = Field(
+        default_factory=ScheduleConfig,
+        description="Learning-rate schedule after warmup_steps, stepped once per optimizer "
+        "step (cosine, linear, constant, step, multistep, onecycle, or a lr_scheduler class).",
+    )
+    early_stopping: EarlyStoppingConfig | None = Field(
+        None,
+        description="{patience, min_delta}: stop when monitor has not improved by min_delta "
+        "for patience epochs (the best epoch is checkpointed); null: off.",
     )
     grad_clip: PositiveFloat | None = Field(
         1.0, description="Maximum global gradient norm; null disables clipping."
@@ -103,6 +134,28 @@ class TrainConfig(_Section):
     mode: Literal["min", "max"] = Field(
         "min", description="Whether a smaller or a larger monitor value is better."
     )
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _schedule_name(cls, value: Any) -> Any:
+        return parse_schedule(value)
+
+    @field_validator("no_weight_decay")
+    @classmethod
+    def _decay_exclusions(cls, value: list[str]) -> list[str]:
+        return check_no_weight_decay(value)
+
+    @model_validator(mode="after")
+    def _milestones_within_the_run(self) -> "TrainConfig":
+        """An epoch milestone at or past the last epoch never takes effect."""
+        s = self.schedule
+        last = max([*s.milestones, s.step_size or 0]) if s.unit == "epoch" else 0
+        if last >= self.epochs and s.name in ("step", "multistep"):
+            raise ValueError(
+                f"schedule: {s.name} at epoch {last} is past the end of a {self.epochs}-epoch "
+                f"run; use milestones below train.epochs"
+            )
+        return self
 
     @field_validator("monitor")
     @classmethod

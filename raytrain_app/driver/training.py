@@ -38,12 +38,14 @@ from raytrain_app.planning.environment import (
     detect_environment,
     storage_env_vars,
 )
+from raytrain_app.planning.recipe import check_schedule_length
 from raytrain_app.planning.rules import TrainingPlan, make_plan, resolve_config
 from raytrain_app.storage import StorageLocation, is_uri
 from raytrain_app.tracking.loss_plot import LOSS_PLOT_FILE, write_loss_plot
 from raytrain_app.tracking.metrics_log import METRICS_FILE, read_metrics_text
 from raytrain_app.tracking.trackers import check_tracking_installed
 from raytrain_app.worker.loop import WorkerTask
+from raytrain_app.worker.recipe import check_hook_alone
 from raytrain_app.workloads import (
     FactoryRef,
     build_model,
@@ -110,13 +112,17 @@ def preflight(
             f"no gradient_checkpointing_enable() method; add one (see raytrain_app/protocol.py) "
             f"or set optimizations.gradient_checkpointing=false"
         )
+    check_hook_alone(spec, cfg.train)
+    steps = None
     if isinstance(splits, StreamSplits):  # the manifest tells the sizes; read two windows
         check_monitor_on_one_batch(cfg.train.monitor, spec, splits.preview("val", 2))
-        stream_steps_per_epoch(splits.manifest, plan)
+        steps = stream_steps_per_epoch(splits.manifest, plan)
     else:
         check_monitor_on_one_batch(cfg.train.monitor, spec, splits.val, splits.collate)
         if not ray_inputs:  # Ray Datasets were counted when readied
-            steps_per_epoch(len(splits.train), plan.effective_batch_size)
+            steps = steps_per_epoch(len(splits.train), plan.effective_batch_size)
+    if steps:  # a milestone in steps past the end is known once the data is
+        check_schedule_length(cfg.train.schedule, steps * cfg.train.epochs, steps)
     return data_ref, ray_inputs
 
 
@@ -149,6 +155,11 @@ def _summary(
         "status": "stopped" if returned.get("stopped") else "completed",
         "final_metrics": history[-1] if history else {},
         "epochs_completed": len(history),
+        **(
+            {"stopped_early_at_epoch": returned["stopped_early_at_epoch"]}
+            if returned.get("stopped_early_at_epoch")
+            else {}
+        ),
         # The size the run ended with, and the [first step, size] of each stretch trained
         # at one size (several when an elastic run resized or a resume changed the size).
         "world_size": returned.get("world_size", plan.world_size),

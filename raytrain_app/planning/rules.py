@@ -16,6 +16,7 @@ from raytrain_app.config.base import MAX_BATCH_SIZE
 from raytrain_app.planning.batch import PlanError, nearest_multiples, plan_batch, scaled_lr
 from raytrain_app.planning.environment import Environment, GpuInfo
 from raytrain_app.planning.gpus import check_gpus, choose_tf32, gpu_notes, gpu_worker_slots
+from raytrain_app.planning.recipe import describe, optimizer_recipe, scheduler_class
 from raytrain_app.storage import is_uri
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,10 @@ class TrainingPlan:
     worker_range: tuple[int, int] | None = None
     # One line for each choice whose reason the summary above does not show (planning.gpus).
     notes: tuple[str, ...] = ()
+    # The user's recipe, one line each (planning.recipe.describe); None: no early stopping.
+    optimizer: str = ""
+    schedule: str = ""
+    early_stopping: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -411,6 +416,9 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
     sync_batchnorm = choose_sync_batchnorm(cfg.distributed.sync_batchnorm, strategy, world_size)
     share = cfg.scaling.gpus_per_worker if use_gpu else 0.0
     loader = cfg.dataloader
+    recipe = optimizer_recipe(cfg.train, use_gpu)  # imported and checked here, once
+    scheduler_class(cfg.train.schedule)
+    optimizer, schedule, early_stopping = describe(cfg.train)
     return TrainingPlan(
         world_size=world_size,
         per_worker_batch_size=batch.micro_batch,
@@ -429,7 +437,7 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
         ),
         compile=compiled,
         # The fused CUDA kernel: one launch for all parameters instead of one per tensor.
-        fused_optimizer=use_gpu and cfg.train.optimizer in ("adam", "adamw"),
+        fused_optimizer=recipe.takes_fused,
         gradient_checkpointing=choose_gradient_checkpointing(
             cfg.optimizations.gradient_checkpointing
         ),
@@ -461,6 +469,9 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
         notes=gpu_notes(
             cfg.precision, env.gpu if use_gpu else None, share, compiled, sync_batchnorm
         ),
+        optimizer=optimizer,
+        schedule=schedule,
+        early_stopping=early_stopping,
     )
 
 

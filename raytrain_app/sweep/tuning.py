@@ -67,6 +67,7 @@ from raytrain_app.tracking.trackers import (
     check_tracking_installed,
     prepare_sweep_tracking,
 )
+from raytrain_app.worker.early_stopping import EarlyStopping
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
 from raytrain_app.worker.session import TuneTrialSession
 from raytrain_app.workloads import check_sources, model_factory, prepare_data
@@ -372,8 +373,8 @@ def _trial_row(
         best = float(values.min() if cfg.tune.mode == "min" else values.max())
     if result.error is not None:
         status = "error"
-    elif epochs >= cfg.train.epochs:
-        status = "completed"
+    elif epochs >= cfg.train.epochs or _stopped_by_rule(cfg, history, epochs):
+        status = "completed"  # ran its epochs, or until its train.early_stopping rule
     else:
         # After an interruption a short trial may simply not have run to its end yet.
         status = "unfinished" if interrupted else "stopped_early"
@@ -388,6 +389,13 @@ def _trial_row(
         "status": status,
         "error": str(result.error).strip().splitlines()[-1] if result.error else "",
     }
+
+
+def _stopped_by_rule(cfg: RaytrainConfig, history: Any, epochs: int) -> bool:
+    """Whether the trial's own early-stopping rule ended it after ``epochs`` (not ASHA)."""
+    if cfg.train.early_stopping is None or history is None or not len(history):
+        return False
+    return EarlyStopping.of(cfg.train).stopped_at(history.to_dict("records")) == epochs
 
 
 def _best_config(cfg: RaytrainConfig, sampled: dict[str, Any]) -> RaytrainConfig:

@@ -30,6 +30,7 @@ from raytrain_app.protocol import ModelSpec, check_counts_hook, counted_metrics
 from raytrain_app.tracking.metrics_log import MetricsLog
 from raytrain_app.tracking.run_files import RankZeroFiles
 from raytrain_app.tracking.trackers import SweepTrial, Tracker, open_tracker
+from raytrain_app.worker.early_stopping import EarlyStopping
 from raytrain_app.worker.epoch_data import EpochData, build_epoch_data, probe_samples
 from raytrain_app.worker.fsdp import equal_forwards
 from raytrain_app.worker.global_metrics import Averages, Counts, EpochProgress, gather
@@ -37,14 +38,10 @@ from raytrain_app.worker.model_companions import broadcast_buffers
 from raytrain_app.worker.model_setup import prepare_for_training
 from raytrain_app.worker.rank_zero import is_rank_zero, rank_zero_info, set_rank
 from raytrain_app.worker.ray_dataset_batches import RayDataPlan
+from raytrain_app.worker.recipe import configured
 from raytrain_app.worker.reporting import Reporter, checkpoint_meta
 from raytrain_app.worker.session import RayTrainSession, WorkerSession
-from raytrain_app.worker.step import (
-    OptimizerStep,
-    StepOutcome,
-    build_optimizer,
-    build_scheduler,
-)
+from raytrain_app.worker.step import OptimizerStep, StepOutcome
 from raytrain_app.worker.stop_request import StopRequest
 from raytrain_app.workloads import FactoryRef, build_data, build_model
 
@@ -134,6 +131,8 @@ class WorkerLoop:
         )
         self.tracker = files.tracked(tracker)
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
+            if self.stopping.stopped_at(self.state.history):  # also after a resume
+                break
             row = self.train_epoch(epoch)
             if row is None:  # stopped mid-epoch on request, checkpoint written
                 return self._result(nodes, stopped=True)
@@ -144,7 +143,8 @@ class WorkerLoop:
                 metrics_log.append(row)
             self.tracker.log_epoch(self.state.step, row)
             self._log_epoch(epoch, row)
-            self.report(row, due=self._checkpoint_due(epoch) or self._stop)
+            due = self._checkpoint_due(epoch) or self.stopping.checkpoint_due(self.state.history)
+            self.report(row, due=due or self._stop)
             if self._stop and epoch + 1 < self.cfg.train.epochs:
                 return self._result(nodes, stopped=True)
         return self._result(nodes, stopped=False)
@@ -160,8 +160,14 @@ class WorkerLoop:
             rank_zero_info(
                 logger, "stopped on request at step %d with a checkpoint", self.state.step
             )
+        stopped_early = self.stopping.stopped_at(self.state.history)
+        if stopped_early:
+            rank_zero_info(
+                logger, "stopped early after epoch %d (train.early_stopping)", stopped_early
+            )
         return {
             "history": self.state.history,
+            **({"stopped_early_at_epoch": stopped_early} if stopped_early else {}),
             "worker_nodes": nodes,
             **({"stopped": True} if stopped else {}),
             "per_worker_batch_size": self.plan.per_worker_batch_size,
@@ -213,8 +219,11 @@ class WorkerLoop:
                 prepare=self.session.prepare_loader,
             )
         self.steps_per_epoch = self.loaders.steps_per_epoch
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, cfg.train, plan)
+        total_steps = self.steps_per_epoch * cfg.train.epochs
+        optimizer, scheduler = configured(
+            self.spec, self.module, cfg.train, plan, total_steps, self.steps_per_epoch
+        )
+        self.stopping = EarlyStopping.of(cfg.train)
         self.stepper = OptimizerStep(
             model=model,
             module=self.module,
@@ -222,7 +231,7 @@ class WorkerLoop:
             plan=plan,
             train=cfg.train,
             optimizer=optimizer,
-            scheduler=build_scheduler(optimizer, plan, self.steps_per_epoch * cfg.train.epochs),
+            scheduler=scheduler,
             scaler=torch.amp.GradScaler(self.device.type, enabled=plan.grad_scaler),
             ema=ema,
             agreement=agreement,
@@ -270,7 +279,9 @@ class WorkerLoop:
             if restored is None:
                 return
             # A torn or corrupted newest checkpoint falls back to the next older one.
-            resumed = load_resumable(restored, self._trainables(), self.plan.lr, self.device)
+            # With the model's own configure_optimizers its saved lrs stand.
+            lr = None if self.spec.configure_optimizers else self.plan.lr
+            resumed = load_resumable(restored, self._trainables(), lr, self.device)
         self.state = resumed.state
         self._resumed_epoch = resumed.restore_rank(self.rank, self.world_size)
         rank_zero_info(

@@ -16,33 +16,11 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from raytrain_app.config import TrainConfig
-from raytrain_app.planning.batch import lr_factor
 from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import ModelSpec
 from raytrain_app.worker.global_metrics import EpochProgress
 from raytrain_app.worker.model_companions import broadcast_buffers
 from raytrain_app.worker.step_agreement import AgreedFlags, StepAgreement
-
-
-def build_optimizer(
-    params: list[nn.Parameter], train: TrainConfig, plan: TrainingPlan
-) -> torch.optim.Optimizer:
-    """``train.optimizer`` over ``params`` at the plan's lr (fused where the plan says so)."""
-    if train.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=plan.lr, momentum=0.9, weight_decay=train.weight_decay)
-    optimizer_cls = torch.optim.AdamW if train.optimizer == "adamw" else torch.optim.Adam
-    fused = {"fused": True} if plan.fused_optimizer else {}
-    return optimizer_cls(params, lr=plan.lr, weight_decay=train.weight_decay, **fused)
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, plan: TrainingPlan, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Warmup, then cosine decay to ``min_lr_ratio``, by optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_factor(step, plan.warmup_steps, total_steps, plan.min_lr_ratio),
-    )
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

@@ -219,7 +219,9 @@ def test_plan_turns_compile_fused_adamw_and_tf32_on_for_recent_gpus_only():
     assert (v100.compile, v100.fused_optimizer, v100.tf32) == (False, True, False)
     assert _plan(optimizations={"compile": True}).compile
     assert not _plan(A100, optimizations={"compile": False}).compile
-    assert not _plan(A100, train={"optimizer": "sgd"}).fused_optimizer
+    # Fused wherever the optimizer class takes fused= (issue 32): SGD does, RAdam does not.
+    assert _plan(A100, train={"optimizer": "sgd"}).fused_optimizer
+    assert not _plan(A100, train={"optimizer": {"target": "torch.optim:RAdam"}}).fused_optimizer
 
 
 def test_plan_resolves_gradient_compression_per_backend():
