@@ -375,10 +375,23 @@ def apply_ray_train_defaults(embedded: bool = False) -> list[str]:
         The names of the variables set (those the user had not set).
     """
     defaults = {**_RAY_TRAIN_ENV_DEFAULTS, **(_EMBEDDED_RAY_TRAIN_ENV_DEFAULTS if embedded else {})}
+    if not _writes_to_terminal():
+        # The driver prints worker lines behind a "(RayTrainWorker pid=...)" prefix that Ray
+        # colours with ANSI codes whatever the output is: a SLURM .out file, a job log or a
+        # pipe would hold ESC[36m ... ESC[0m on every line.
+        defaults["RAY_COLOR_PREFIX"] = "0"
     added = [name for name in defaults if name not in os.environ]
     for name in added:
         os.environ[name] = defaults[name]
     return added
+
+
+def _writes_to_terminal() -> bool:
+    """Whether both of this process's output streams are a terminal (colour reads there)."""
+    streams = (sys.stdout, sys.stderr)
+    return all(
+        stream is not None and getattr(stream, "isatty", lambda: False)() for stream in streams
+    )
 
 
 def unset_ray_train_defaults(names: list[str]) -> None:

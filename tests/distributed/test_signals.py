@@ -124,6 +124,8 @@ def test_ctrl_c_and_sigkill_stop_the_run_and_the_same_command_resumes_exactly(
     # A log gets plain lines, never a bar's redraws, and no notice about Ray's token auth.
     assert "\r" not in output and "step/s" not in output
     assert "Token authentication" not in output
+    # Worker lines reach a pipe as text: their prefix without Ray's ANSI colour codes.
+    assert "(RayTrainWorker pid=" in output and "\x1b[" not in output
     # Its own rows and checkpoints only: none written twice (the refused run wrote none).
     assert not list(run_dir.glob("checkpoints/*/*-r[0-9]*"))
     assert_same_as(run_dir, fault_reference)

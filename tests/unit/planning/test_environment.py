@@ -3,7 +3,9 @@ of the real environment needed), plus the defaults raytrain gives Ray Train."""
 
 from __future__ import annotations
 
+import io
 import os
+import sys
 
 import pytest
 
@@ -135,6 +137,29 @@ def test_embedded_ray_defaults_only_for_an_embedded_ray(monkeypatch):
     unset_ray_train_defaults(added)  # what raytrain's embedded Ray does when it stops
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
     assert os.environ["RAY_TRAIN_METRICS_ENABLED"] == "1"
+
+
+def test_worker_lines_carry_no_colour_codes_where_output_is_not_a_terminal(monkeypatch):
+    monkeypatch.setattr(os, "environ", {})
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # a pipe, a log file
+    apply_ray_train_defaults()
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"  # Ray's own switch for its prefix colours
+
+
+def test_a_terminal_keeps_rays_colours_and_the_user_decides(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(os, "environ", {})
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    apply_ray_train_defaults(embedded=True)
+    assert "RAY_COLOR_PREFIX" not in os.environ
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")
+    apply_ray_train_defaults()
+    assert os.environ["RAY_COLOR_PREFIX"] == "1"
 
 
 def test_training_workers_run_at_nice_0_unless_the_user_says_otherwise(monkeypatch):
