@@ -1,17 +1,24 @@
-"""The README's config reference, generated from the schema so the two never drift.
+"""The configuration reference (docs/users/configuration.md), generated from the schema so
+the two never drift.
 
-``python -m raytrain_app.config.reference`` prints the Markdown table; a unit test checks
-that the README holds exactly this table.
+``python -m raytrain_app.config.reference docs/users/configuration.md`` rewrites the table
+between the page's markers; without a path it prints the table. A unit test checks that the
+page holds exactly this table.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from raytrain_app.config import RaytrainConfig
+
+START = "<!-- config-reference:start -->\n"
+END = "<!-- config-reference:end -->"
 
 
 def _rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str]]:
@@ -35,5 +42,18 @@ def config_reference_markdown() -> str:
     return "\n".join(lines)
 
 
+def write_config_reference(page: Path) -> None:
+    """Replace the table between ``page``'s markers with the schema's."""
+    text = page.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"{page} has no {START.strip()} ... {END} markers")
+    before, rest = text.split(START, 1)
+    after = rest.split(END, 1)[1]
+    page.write_text(f"{before}{START}{config_reference_markdown()}\n{END}{after}")
+
+
 if __name__ == "__main__":
-    print(config_reference_markdown())
+    if len(sys.argv) > 1:
+        write_config_reference(Path(sys.argv[1]))
+    else:
+        print(config_reference_markdown())

@@ -14,6 +14,7 @@ from paths import ROOT
 from ray._private.thirdparty.pathspec import PathSpec
 
 CLUSTER = ROOT / "cluster"
+GUIDES = sorted((ROOT / "docs").rglob("*.md"))  # SLURM and Ray clusters among them
 LAUNCHERS = sorted(CLUSTER.glob("*.yaml"))
 SECRETS = [
     "cluster/ray-token",
@@ -83,7 +84,7 @@ def _commands(text: str) -> list[str]:
 def _token_writing_commands() -> list[tuple[str, str]]:
     """Every command of the cluster docs and configs that writes a token to a file."""
     found = []
-    for path in [*CLUSTER.rglob("*.md"), *CLUSTER.rglob("*.yaml"), ROOT / "README.md"]:
+    for path in [*CLUSTER.rglob("*.md"), *CLUSTER.rglob("*.yaml"), ROOT / "README.md", *GUIDES]:
         for command in _commands(path.read_text()):
             if re.search(r">\s*\S*token", command):
                 found.append((str(path.relative_to(ROOT)), command))
