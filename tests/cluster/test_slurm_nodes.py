@@ -238,11 +238,25 @@ def _first_checkpoint_written(cluster, s3, checkpoints, job_id, log, attempt) ->
     deadline = time.monotonic() + 240
     while not any(p.endswith("/manifest.json") for p in cluster.list_objects(s3, checkpoints)):
         state = cluster.job_state(job_id)
-        never_started = "Ray did not start on every node" in log_text(log)
-        if state not in ("PENDING", "RUNNING") and never_started and attempt == 1:
+        if state not in ("PENDING", "RUNNING") and attempt == 1 and _log_says(log, _NEVER_STARTED):
             return False
         assert state in ("PENDING", "RUNNING"), log_text(log)
         assert time.monotonic() < deadline, log_text(log)
+        time.sleep(0.5)
+    return True
+
+
+_NEVER_STARTED = "Ray did not start on every node"
+
+
+def _log_says(log, text: str, within_s: float = 15.0) -> bool:
+    """Whether the job's output file holds ``text``, read until ``within_s`` has passed:
+    SLURM can report the job ended before the output file holds its last lines (seen in CI:
+    state FAILED, the script's closing line in the file a moment later)."""
+    deadline = time.monotonic() + within_s
+    while text not in log_text(log):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.5)
     return True
 
