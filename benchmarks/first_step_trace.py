@@ -48,11 +48,11 @@ def main() -> int:
 
     stamp("ray_train_imported")
     from raytrain_app import cli
-    from raytrain_app.driver import training as driver
+    from raytrain_app.driver import executors
 
     stamp("raytrain_imported")
     ray.init = timed(ray.init, "ray_init")
-    driver.preflight = timed(driver.preflight, "preflight")
+    executors.preflight = timed(executors.preflight, "preflight")
     ray.train.torch.TorchTrainer.fit = timed(ray.train.torch.TorchTrainer.fit, "fit")
     return cli.main(sys.argv[2:])
 

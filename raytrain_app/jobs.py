@@ -110,7 +110,7 @@ def _job_call(address: str | None, job_id: str, method: str, *args: Any) -> Any:
 def _parse(command: Sequence[str]) -> argparse.Namespace:
     """``command`` parsed as ``raytrain`` will parse it on the cluster (any spelling argparse
     accepts); a flag it would refuse is refused here, before anything is sent."""
-    from raytrain_app.cli import parse_submitted_command
+    from raytrain_app.cli_flags import parse_submitted_command
 
     return parse_submitted_command(command)
 

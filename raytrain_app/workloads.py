@@ -269,7 +269,7 @@ def build_data(ref: FactoryRef, seed: int) -> DataSplits | StreamSplits:
     if not isinstance(splits, DataSplits):
         raise BadInputError(
             f"{ref.config_key}={ref.target!r} returned {type(splits).__name__}, not "
-            f"raytrain_app.DataSplits; see the 'Bringing your own model and data' README section"
+            f"raytrain_app.DataSplits; see docs/users/own-model-and-data.md"
         )
     return splits
 
@@ -280,6 +280,6 @@ def build_model(ref: FactoryRef, data_info: dict) -> ModelSpec:
     if not isinstance(spec, ModelSpec):
         raise BadInputError(
             f"{ref.config_key}={ref.target!r} returned {type(spec).__name__}, not "
-            f"raytrain_app.ModelSpec; see the 'Bringing your own model and data' README section"
+            f"raytrain_app.ModelSpec; see docs/users/own-model-and-data.md"
         )
     return spec

@@ -141,23 +141,29 @@ def build_windows(
     table = _read_sorted(path, feature_columns, target_column, keys)
     bounds = group_bounds(table, group_column)
     features, target = _filled_columns(table, feature_columns, target_column, bounds, missing)
-    window = context_length + horizon
-    train_rows, val_rows = split_rows(bounds, window, val_fraction)
+    train_rows, val_rows = split_rows(bounds, context_length + horizon, val_fraction)
+    names, source = [*feature_columns, target_column], f"the Parquet data {_shown(path)}"
     inputs, scaled_target, stats = standardise(
-        features,
-        target,
-        train_rows,
-        stats,
-        names=[*feature_columns, target_column],
-        source=f"the Parquet data {_shown(path)}",
+        features, target, train_rows, stats, names=names, source=source
     )
     train, val = (
         make_dataset(inputs, scaled_target, rows, context_length, horizon, stride)
         for rows in (train_rows, val_rows)
     )
-    # Debug level: this runs in every training worker.
-    logger.debug("Built %d train and %d val windows", len(train), len(val))
-    info = {
+    logger.debug("Built %d train and %d val windows", len(train), len(val))  # every worker
+    shape = _window_info(feature_columns, target_column, context_length, horizon, season_length)
+    return DataSplits(train=train, val=val, info={**shape, **stats})
+
+
+def _window_info(
+    feature_columns: list[str],
+    target_column: str,
+    context_length: int,
+    horizon: int,
+    season_length: int,
+) -> dict[str, Any]:
+    """The windows' shape and columns, for ``DataSplits.info`` (and checkpoints' meta)."""
+    return {
         "num_features": len(feature_columns) + 1,
         "context_length": int(context_length),
         "horizon": int(horizon),
@@ -166,9 +172,7 @@ def build_windows(
         # The target's own past is x's last channel: per-window scaling reads it there.
         "target_channel": len(feature_columns),
         "season_length": int(season_length),
-        **stats,
     }
-    return DataSplits(train=train, val=val, info=info)
 
 
 def _shown(path: PathLike | Sequence[PathLike]) -> str:

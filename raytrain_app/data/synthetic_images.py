@@ -57,7 +57,8 @@ _COLOUR_WEIGHT = 0.4  # share of the class colour in the foreground, the rest is
 _PIXEL_MEAN = 0.36
 _PIXEL_STD = 0.22
 
-# The ``data.params`` this dataset takes, with their defaults (also in the README).
+# The ``data.params`` this dataset takes, with their defaults (also in
+# docs/users/built-in-workloads.md).
 DEFAULTS = {
     "num_train": 4096,
     "num_val": 1024,

@@ -33,13 +33,13 @@ from ray.train.torch import TorchTrainer
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.driver.signals import stop_on_signals
 from raytrain_app.errors import BadInputError, RunFailedError, first_line
+from raytrain_app.planning.choices import choose_use_gpu
 from raytrain_app.planning.environment import (
     detect_environment,
     one_torch_thread_per_process,
     plain_breakpoints,
 )
 from raytrain_app.planning.gpus import check_local_processes
-from raytrain_app.planning.rules import choose_use_gpu
 from raytrain_app.storage import StorageLocation
 from raytrain_app.worker.local_mode import Retention, RunStorage, train_worker_local
 from raytrain_app.worker.loop import WorkerTask

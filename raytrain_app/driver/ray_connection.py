@@ -20,11 +20,11 @@ import ray
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.driver.reachability import check_reachable
 from raytrain_app.errors import RunFailedError, first_line
+from raytrain_app.planning.cluster_resources import ray_cluster_resources
 from raytrain_app.planning.environment import (
     Environment,
     apply_ray_train_defaults,
     detect_environment,
-    ray_cluster_resources,
     unset_ray_train_defaults,
 )
 from raytrain_app.planning.rules import TrainingPlan, make_plan

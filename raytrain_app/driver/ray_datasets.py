@@ -73,8 +73,7 @@ def load_data_splits(
     if not isinstance(splits, RayDataSplits):
         raise BadInputError(
             f"{ref.config_key}={ref.target!r} returned {type(splits).__name__}, not "
-            f"raytrain_app.DataSplits or RayDataSplits; see the 'Bringing your own model and "
-            f"data' README section"
+            f"raytrain_app.DataSplits or RayDataSplits; see docs/users/own-model-and-data.md"
         )
     if _COMMANDS.get(command):
         raise BadInputError(ray_data_refusal(ref.config_key, ref.target, _COMMANDS[command]))

@@ -96,23 +96,7 @@ def start_head(
         home=root / "home",
         client_server_port=client_server,
     )
-    # ray start --head turns token auth on when a token exists; the job server then refuses
-    # requests without it. Jobs run `raytrain` on the head: isolated_env puts this venv's
-    # scripts first on its PATH.
-    head_vars = {
-        "RAY_AUTH_TOKEN": token,
-        "RAY_AUTH_MODE": "token",
-        "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": str(DASHBOARD_MODULE_TIMEOUT_S),
-    }
-    if pythonpath:
-        head_vars["PYTHONPATH"] = pythonpath
-    if node_death_s is not None:  # read by the GCS, which ray start launches
-        period_ms = max(100, int(node_death_s * 1000 / 3))
-        head_vars |= {
-            "RAY_health_check_period_ms": str(period_ms),
-            "RAY_health_check_timeout_ms": str(period_ms),
-            "RAY_health_check_failure_threshold": "3",
-        }
+    head_vars = _head_variables(token, pythonpath, node_death_s)
     env = isolated_env(head.home / "head", without=("PYTHONPATH",), **head_vars)
     try:
         started = subprocess.run(
@@ -131,6 +115,30 @@ def start_head(
         head.stop()  # whatever it started before failing
         raise
     return head
+
+
+def _head_variables(
+    token: str, pythonpath: str | None, node_death_s: float | None
+) -> dict[str, str]:
+    """The head's environment variables besides isolated_env's."""
+    # ray start --head turns token auth on when a token exists; the job server then refuses
+    # requests without it. Jobs run `raytrain` on the head: isolated_env puts this venv's
+    # scripts first on its PATH.
+    head_vars = {
+        "RAY_AUTH_TOKEN": token,
+        "RAY_AUTH_MODE": "token",
+        "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": str(DASHBOARD_MODULE_TIMEOUT_S),
+    }
+    if pythonpath:
+        head_vars["PYTHONPATH"] = pythonpath
+    if node_death_s is not None:  # read by the GCS, which ray start launches
+        period_ms = max(100, int(node_death_s * 1000 / 3))
+        head_vars |= {
+            "RAY_health_check_period_ms": str(period_ms),
+            "RAY_health_check_timeout_ms": str(period_ms),
+            "RAY_health_check_failure_threshold": "3",
+        }
+    return head_vars
 
 
 def _start_command(ports: list[int], num_cpus: int, temp_dir: str) -> list[str]:

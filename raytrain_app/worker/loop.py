@@ -2,48 +2,43 @@
 
 It runs inside every Ray Train worker (or a Tune trial) and talks to its runtime only
 through a ``WorkerSession``. Decisions (batch split, precision, lr) come from the plan;
-the loop only carries them out. A step's math lives in ``step.py``, reporting and
-checkpoints in ``reporting.py``: read ``WorkerLoop.run`` top to bottom.
+the loop only carries them out. What it trains with is built in ``worker_setup.py``, a
+step's math lives in ``step.py``, reporting and checkpoints in ``reporting.py``: read
+``WorkerLoop.run`` top to bottom.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from raytrain_app.checkpoint.ranking import check_monitor
 from raytrain_app.checkpoint.sharded import is_sharded
 from raytrain_app.checkpoint.train_state import LoopState, Trainables, load_resumable
 from raytrain_app.config import RaytrainConfig, config_from_dict
-from raytrain_app.errors import BadInputError, RunFailedError
+from raytrain_app.errors import RunFailedError
 from raytrain_app.logging_setup import quiet_ray_train_worker_logs, setup_logging
 from raytrain_app.planning.rules import TrainingPlan, plan_for_world_size
-from raytrain_app.protocol import ModelSpec, check_counts_hook, counted_metrics
+from raytrain_app.protocol import check_counts_hook
 from raytrain_app.tracking.metrics_log import MetricsLog
 from raytrain_app.tracking.run_files import RankZeroFiles
 from raytrain_app.tracking.trackers import SweepTrial, Tracker, open_tracker
-from raytrain_app.worker.early_stopping import EarlyStopping
-from raytrain_app.worker.epoch_data import EpochData, build_epoch_data, probe_samples
+from raytrain_app.worker.epoch_data import EpochData
 from raytrain_app.worker.fsdp import equal_forwards
 from raytrain_app.worker.global_metrics import Averages, Counts, EpochProgress, gather
+from raytrain_app.worker.metric_names import MetricNames
 from raytrain_app.worker.model_companions import broadcast_buffers
-from raytrain_app.worker.model_setup import prepare_for_training
 from raytrain_app.worker.rank_zero import is_rank_zero, rank_zero_info, set_rank
 from raytrain_app.worker.ray_dataset_batches import RayDataPlan
-from raytrain_app.worker.recipe import configured
-from raytrain_app.worker.reporting import Reporter, checkpoint_meta
 from raytrain_app.worker.session import RayTrainSession, WorkerSession
-from raytrain_app.worker.step import OptimizerStep, StepOutcome
-from raytrain_app.worker.stop_request import StopRequest
-from raytrain_app.workloads import FactoryRef, build_data, build_model
+from raytrain_app.worker.step import StepOutcome
+from raytrain_app.worker.worker_setup import build_worker
+from raytrain_app.workloads import FactoryRef
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +87,7 @@ class WorkerLoop:
         self.state = LoopState()
         self._resumed_epoch: dict[str, Any] | None = None  # this rank's mid-epoch sums
         self._stop = False  # the ranks agreed to checkpoint and stop
-        self._metric_names: list[str] | None = None  # known after the first step
-        self._counted_names: set[str] = set()  # of metrics_from_counts, after an epoch
-        self._counted_checked = False
+        self.metric_names = MetricNames(self.cfg.train.monitor)
         self.tracker = Tracker()  # rank 0's TensorBoard / MLflow / W&B, opened in _run
         self.loaders: EpochData | None = None  # built in setup
         self._last_push = 0.0  # when rank 0 last updated the driver's progress bar
@@ -137,7 +130,7 @@ class WorkerLoop:
             if row is None:  # stopped mid-epoch on request, checkpoint written
                 return self._result(nodes, stopped=True)
             row.update(self.validate())
-            self._check_counted_names()
+            self.metric_names.check_counted(self.spec)
             self.state.epoch, self.state.history = epoch + 1, [*self.state.history, row]
             if metrics_log:
                 metrics_log.append(row)
@@ -179,86 +172,14 @@ class WorkerLoop:
 
     # -- setup ---------------------------------------------------------------------------
     def setup(self) -> None:
-        plan, cfg = self.plan, self.cfg
-        torch.set_num_threads(max(1, int(plan.cpus_per_worker)))
-        # Both ways: cuDNN's TF32 is on by default (fp32 convolutions would not be exact
-        # under an explicit fp32), and a reused Tune process must not carry a trial's TF32
-        # into the next.
-        torch.backends.cuda.matmul.allow_tf32 = plan.tf32
-        torch.backends.cudnn.allow_tf32 = plan.tf32
-        self.device = self.session.device()
-        seed = cfg.experiment.seed
-        ray_data = self.task.ray_data
-        splits = ray_data.splits() if ray_data else build_data(self.task.data, seed)
-        self.data_info = dict(splits.info)
-        # Same seed on every rank and for every world size: identical initial weights.
-        torch.manual_seed(seed)
-        self.spec: ModelSpec = build_model(self.task.model, self.data_info)
-        self.plan, self.module, model, agreement, ema = prepare_for_training(
-            self.spec,
-            plan,
-            cfg.distributed,
-            self.session,
-            self.device,
-            probe_samples(splits, plan),
-            splits.batch_collate(),
-        )
-        plan = self.plan  # the memory probe may have re-split the batch
-        if ray_data:  # the shards Ray Train hands this worker
-            self.loaders = ray_data.batches(
-                plan, rank=self.rank, world_size=self.world_size, device=self.device
-            )
-        else:
-            self.loaders = build_epoch_data(
-                splits,
-                plan,
-                cfg.dataloader,
-                seed=seed,
-                rank=self.rank,
-                world_size=self.world_size,
-                prepare=self.session.prepare_loader,
-            )
-        self.steps_per_epoch = self.loaders.steps_per_epoch
-        total_steps = self.steps_per_epoch * cfg.train.epochs
-        optimizer, scheduler = configured(
-            self.spec, self.module, cfg.train, plan, total_steps, self.steps_per_epoch
-        )
-        self.stopping = EarlyStopping.of(cfg.train)
-        self.stepper = OptimizerStep(
-            model=model,
-            module=self.module,
-            spec=self.spec,
-            plan=plan,
-            train=cfg.train,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=torch.amp.GradScaler(self.device.type, enabled=plan.grad_scaler),
-            ema=ema,
-            agreement=agreement,
-            device=self.device,
-            world_size=self.world_size,
-        )
-        self.stop_request = StopRequest(self.task.control, is_rank_zero())
-        self.reporter = Reporter(
-            self.session, cfg.train, checkpoint_meta(self.task, self.data_info), self.world_size
-        )
-        # Dropout and other runtime randomness differ per rank, as independent replicas should.
-        _seed_runtime_rng(seed + 1 + self.rank)
-        rank_zero_info(
-            logger,
-            "plan: %s",
-            self._plan_line(self.loaders.train_samples, self.loaders.val_samples),
-        )
-
-    def _plan_line(self, n_train: int, n_val: int) -> str:
-        p = self.plan
-        params = sum(t.numel() for t in self.module.parameters())
-        return (
-            f"{p.world_size} worker(s) x micro-batch {p.per_worker_batch_size} x accumulation "
-            f"{p.grad_accum_steps} = global batch {p.effective_batch_size}; {p.precision} on "
-            f"{p.device}, {p.backend}, {p.strategy}; lr {p.lr:.3g}; {params:,} parameters; "
-            f"{n_train:,} train / {n_val:,} val samples; {self.steps_per_epoch} steps per epoch"
-        )
+        """Build the data, model and training machinery (``worker.worker_setup``)."""
+        parts = build_worker(self.task, self.session, self.cfg, self.plan)
+        self.device, self.data_info, self.spec = parts.device, parts.data_info, parts.spec
+        # The memory probe may have re-split the batch.
+        self.plan, self.module, self.loaders = parts.plan, parts.module, parts.loaders
+        self.steps_per_epoch = parts.loaders.steps_per_epoch
+        self.stepper, self.stopping = parts.stepper, parts.stopping
+        self.stop_request, self.reporter = parts.stop_request, parts.reporter
 
     @property
     def model(self) -> nn.Module:
@@ -309,7 +230,7 @@ class WorkerLoop:
             outcome = self.stepper.forward_backward(
                 batches, self._stop or self.stop_request.requested()
             )
-            self._note_metric_names(outcome)
+            self.metric_names.note_step(self.spec, outcome)
             where = self._where(epoch, step_in_epoch)
             if pending is not None:  # its copy finished while this step was queued
                 self._settle(pending)
@@ -345,29 +266,6 @@ class WorkerLoop:
         progress.elapsed_s += time.perf_counter() - start
         self.state.step_in_epoch = 0
         return self._epoch_row(epoch, progress)
-
-    def _note_metric_names(self, outcome: StepOutcome) -> None:
-        if self._metric_names is None:  # the first step tells which metrics the model has
-            for counts in outcome.micro_counts:
-                check_counts_hook(self.spec, counts)
-            if self.spec.metrics_from_counts is None:  # else known after the first epoch
-                check_monitor(self.cfg.train.monitor, outcome.metric_names)
-        self._metric_names = outcome.metric_names
-
-    def _check_counted_names(self) -> None:
-        """Once, after this process's first epoch, when the metrics made of counts are
-        known: that there are some, and the monitor among them or the means."""
-        if self._counted_checked or self.spec.metrics_from_counts is None:
-            return
-        self._counted_checked = True
-        if not self._counted_names:
-            raise BadInputError(
-                "the model factory's ModelSpec has metrics_from_counts but no step returned "
-                "StepOutput.counts; return the counts it needs from the step function, or "
-                "leave metrics_from_counts unset"
-            )
-        names = [*(self._metric_names or []), *sorted(self._counted_names)]
-        check_monitor(self.cfg.train.monitor, names)
 
     def _where(self, epoch: int, step_in_epoch: int) -> str:
         """The step about to be taken, as an error or a log line names it."""
@@ -426,7 +324,7 @@ class WorkerLoop:
         row = {
             "epoch": epoch + 1,
             "step": self.state.step,
-            **progress.averages.global_means("train_", self._metric_names or []),
+            **progress.averages.global_means("train_", self.metric_names.means),
             **self._counted("train_", progress.counts),
         }
         row["lr"] = self.stepper.lr()
@@ -461,20 +359,11 @@ class WorkerLoop:
                 check_counts_hook(self.spec, out.counts)
                 counts.add(out.counts)
         # A rank with no validation samples still joins the reduces, with zeros.
-        means = averages.global_means("val_", self._metric_names or [])
+        means = averages.global_means("val_", self.metric_names.means)
         return {**means, **self._counted("val_", counts)}
 
     def _counted(self, prefix: str, counts: Counts) -> dict[str, float]:
-        """The metrics ``metrics_from_counts`` makes of the counts summed over all workers
-        (the same on every rank); none without the hook or without counts."""
-        if self.spec.metrics_from_counts is None:
-            return {}
-        totals = counts.global_totals(self.world_size)
-        if not totals:
-            return {}
-        values = counted_metrics(self.spec, totals, self._metric_names or [])
-        self._counted_names.update(values)
-        return {f"{prefix}{name}": value for name, value in values.items()}
+        return self.metric_names.counted(self.spec, prefix, counts, self.world_size)
 
     def _validation_module(self) -> nn.Module:
         if self.ema is not None and int(self.ema.n_averaged) > 0:
@@ -502,9 +391,3 @@ class _PendingFlags:
 
     outcome: StepOutcome
     where: str
-
-
-def _seed_runtime_rng(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)

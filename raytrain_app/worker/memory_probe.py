@@ -171,8 +171,8 @@ def fit_plan_to_memory(
 ) -> TrainingPlan:
     """``plan`` with the largest micro-batch that fits on every rank (the smallest over
     all ranks, agreed in one all-reduce after each rank probed alone) and the global batch
-    kept with accumulation. Gradient checkpointing is
-    turned on first when it is ``auto``, the batch does not fit, and the model supports it.
+    kept with accumulation. Gradient checkpointing is turned on first when it is ``auto``,
+    the batch does not fit, and the model supports it.
 
     Runs on every rank before SyncBatchNorm and DDP touch the bare ``module``; the probe's
     batches are ``train_set``'s first samples, batched by the workload's ``collate``.
@@ -204,14 +204,11 @@ def fit_plan_to_memory(
             checkpointing = True
             fits = probe()
     split = plan_batch(plan.effective_batch_size, plan.world_size, fits)
+    with_checkpointing = " with gradient checkpointing" if checkpointing else ""
     rank_zero_info(
         logger,
         "memory probe: micro-batch %d fits%s; %d x %d accumulation keeps the global batch %d",
-        fits,
-        " with gradient checkpointing" if checkpointing else "",
-        split.micro_batch,
-        split.accum_steps,
-        split.global_batch,
+        *(fits, with_checkpointing, split.micro_batch, split.accum_steps, split.global_batch),
     )
     return replace(
         plan,

@@ -10,7 +10,7 @@ import yaml
 
 import raytrain_app as rt
 from raytrain_app.cli import main
-from raytrain_app.sweep.tuning import BEST_CONFIG_FILE, TRIALS_FILE
+from raytrain_app.sweep.results import BEST_CONFIG_FILE, TRIALS_FILE
 
 pytestmark = pytest.mark.distributed
 

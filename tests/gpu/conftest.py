@@ -1,5 +1,6 @@
 """The GPU tier: real CUDA with 1 and 2 GPUs (``python -m pytest tests/gpu -m gpu`` on a
-GPU host: README.md, "GPU hosts"). One Ray instance per session, with the machine's GPUs.
+GPU host: docs/contributors/tests.md, "GPU hosts"). One Ray instance per session, with the
+machine's GPUs.
 
 Every test here is marked ``gpu`` where it can run: without CUDA, each is skipped without
 starting anything. A test that needs 2 GPUs (``needs_two_gpus``) is marked

@@ -23,7 +23,7 @@ from contract import PLAN_JSON_KEYS
 
 from raytrain_app import cli
 from raytrain_app.config import ConfigError
-from raytrain_app.driver import ray_connection, training
+from raytrain_app.driver import executors, ray_connection
 from raytrain_app.planning.environment import Resources
 
 # Caught by load_config, before the driver (and Ray) is touched: (--set or flags, message part).
@@ -97,7 +97,7 @@ def embedded_ray(monkeypatch, tmp_path):
     def trainer_started(*args, **kwargs):
         raise TrainerStarted
 
-    monkeypatch.setattr(training, "run_trainer", trainer_started)
+    monkeypatch.setattr(executors, "run_trainer", trainer_started)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.chdir(tmp_path)
     saved_environ = dict(os.environ)  # train() sets Ray Train's variables; undo that

@@ -162,7 +162,7 @@ def test_the_config_check_is_repeated_under_the_lease(tmp_path, monkeypatch):
 
     trained: list[bool] = []
     monkeypatch.setattr(run_lease.RunLease, "acquire", first_run_wins_the_race)
-    monkeypatch.setattr(training, "_run", lambda *args, **kwargs: trained.append(True))
+    monkeypatch.setattr(training, "run_training", lambda *args, **kwargs: trained.append(True))
     with pytest.raises(BadInputError, match=r"already holds a run .* with a different config"):
         training.train(cfg, local=True, progress=False)
     assert trained == []

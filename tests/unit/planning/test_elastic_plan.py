@@ -7,7 +7,8 @@ import pytest
 from environments import A100, make_env
 
 from raytrain_app.config import ConfigError, config_from_dict, config_to_dict
-from raytrain_app.planning.rules import PlanError, make_plan, plan_for_world_size, resolve_config
+from raytrain_app.planning.batch import PlanError
+from raytrain_app.planning.rules import make_plan, plan_for_world_size, resolve_config
 
 
 def elastic(low: int, high: int, **train) -> dict:

@@ -11,13 +11,15 @@ import pytest
 import ray
 from environments import A100, H100, T4, V100, make_env
 
-from raytrain_app.cli import _format_plan
 from raytrain_app.config import config_from_dict
-from raytrain_app.planning import environment
+from raytrain_app.planning import cluster_resources
+from raytrain_app.planning.batch import PlanError
 from raytrain_app.planning.environment import TorchrunInfo
 from raytrain_app.planning.gpus import check_local_processes
-from raytrain_app.planning.rules import PlanError, make_plan
-from raytrain_app.sweep.tuning import _best_config, single_worker, trial_environment
+from raytrain_app.planning.plan_text import format_plan as _format_plan
+from raytrain_app.planning.rules import make_plan
+from raytrain_app.sweep.results import best_config as _best_config
+from raytrain_app.sweep.trials import single_worker, trial_environment
 
 
 def _cfg(**sections) -> object:
@@ -180,8 +182,8 @@ def cluster(monkeypatch):
         names = [key.split(":")[1] for key in resources] or ["H100"]
         return models[names[0]]
 
-    monkeypatch.setattr(environment, "local_gpu", lambda: T4)
-    monkeypatch.setattr(environment, "_gpu_on_a_node", ask)
+    monkeypatch.setattr(cluster_resources, "local_gpu", lambda: T4)
+    monkeypatch.setattr(cluster_resources, "_gpu_on_a_node", ask)
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
     monkeypatch.setattr(
         ray,
@@ -198,7 +200,7 @@ def test_a_cluster_is_planned_from_its_workers_gpus_not_the_drivers(cluster):
     nodes, asked = cluster
     nodes += [_node(DRIVER, 1, "T4"), _node(WORKER, 8, "H100")]
     nodes[0]["Resources"].pop("GPU")  # the laptop's GPU is not the cluster's
-    resources, gpu = environment.ray_cluster_resources()
+    resources, gpu = cluster_resources.ray_cluster_resources()
     assert gpu == H100 and asked == [{"accelerator_type:H100": 0.001}]
     assert resources.node_gpus == (0.0, 8.0)
     laptop = make_env(cpus=8, gpus=1, gpu=T4)
@@ -209,20 +211,20 @@ def test_a_cluster_is_planned_from_its_workers_gpus_not_the_drivers(cluster):
 def test_of_several_gpu_models_the_least_capable_is_planned_for(cluster):
     nodes, asked = cluster
     nodes += [_node(DRIVER, 0), _node("a", 8, "H100"), _node("b", 8, "T4")]
-    assert environment.ray_cluster_resources()[1] == T4  # bf16 would fail on the T4s
+    assert cluster_resources.ray_cluster_resources()[1] == T4  # bf16 would fail on the T4s
     assert len(asked) == 2
 
 
 def test_the_drivers_own_gpu_is_read_where_it_is_the_only_gpu_node(cluster):
     nodes, asked = cluster
     nodes += [_node(DRIVER, 1, "T4"), _node("cpu-only", 0)]
-    assert environment.ray_cluster_resources()[1] == T4 and asked == []
+    assert cluster_resources.ray_cluster_resources()[1] == T4 and asked == []
 
 
 def test_a_cluster_without_gpus_is_planned_on_cpu_even_from_a_gpu_laptop(cluster):
     nodes, _ = cluster
     nodes += [_node(DRIVER, 0), _node(WORKER, 0)]
-    resources, gpu = environment.ray_cluster_resources()
+    resources, gpu = cluster_resources.ray_cluster_resources()
     assert gpu is None
     laptop = make_env(cpus=8, gpus=1, gpu=T4)
     plan = make_plan(_cfg(), laptop.with_resources(resources, gpu))
@@ -247,6 +249,6 @@ def test_a_gpu_query_that_finds_no_room_plans_for_an_unknown_gpu(monkeypatch, ca
     monkeypatch.setattr(ray, "remote", lambda **options: Remote)
     monkeypatch.setattr(ray, "get", busy)
     monkeypatch.setattr(ray, "cancel", lambda ref, force: cancelled.append(ref))
-    assert environment._gpu_on_a_node({}) is None
+    assert cluster_resources._gpu_on_a_node({}) is None
     assert cancelled == ["ref"]
     assert "set precision and optimizations.compile" in caplog.text

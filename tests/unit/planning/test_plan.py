@@ -11,18 +11,10 @@ from contract import PLAN_JSON_KEYS
 from environments import A100, P100, V100, make_env
 
 from raytrain_app.config import config_from_dict
-from raytrain_app.planning.batch import lr_factor, steps_per_epoch
+from raytrain_app.planning.batch import PlanError, lr_factor, plan_batch, scaled_lr, steps_per_epoch
+from raytrain_app.planning.choices import choose_backend, choose_precision, choose_strategy
 from raytrain_app.planning.environment import Environment, SlurmInfo, detect_environment
-from raytrain_app.planning.rules import (
-    PlanError,
-    choose_backend,
-    choose_precision,
-    choose_strategy,
-    make_plan,
-    plan_batch,
-    resolve_config,
-    scaled_lr,
-)
+from raytrain_app.planning.rules import make_plan, resolve_config
 
 
 @pytest.mark.parametrize("world_size", list(range(1, 65)))

@@ -38,6 +38,7 @@ TOP_LEVEL_ROOMS = {
     "workloads": "workloads",
     "__init__": "api",
     "cli": "api",
+    "cli_flags": "api",
     "jobs": "api",
     "predict": "api",
 }

@@ -94,7 +94,7 @@ def test_the_builtin_sweep_is_valid():
 def test_optuna_search_without_optuna_names_the_extra(monkeypatch):
     import importlib.util
 
-    from raytrain_app.sweep.tuning import _search_algorithm
+    from raytrain_app.sweep.tuner import search_algorithm as _search_algorithm
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

@@ -13,8 +13,9 @@ from environments import A100, make_env
 from ray import tune
 
 from raytrain_app.config import BUILTIN_SWEEP, load_config
-from raytrain_app.planning.rules import PlanError
-from raytrain_app.sweep import tuning
+from raytrain_app.driver import launch as driver_launch
+from raytrain_app.planning.batch import PlanError
+from raytrain_app.sweep import trials, tuning
 
 CPU_HOST = make_env(cpus=4)
 GPU_CLUSTER = make_env(cpus=32, gpus=2, gpu=A100, source="ray cluster")
@@ -49,9 +50,10 @@ def launch(monkeypatch):
         def fit(self):
             raise _Launched
 
-    monkeypatch.setattr(tuning, "detect_environment", lambda: CPU_HOST)
-    monkeypatch.setattr(tuning, "ray_session", fake_session)
-    monkeypatch.setattr(tuning, "check_shared", lambda *args: None)  # asks the cluster's nodes
+    monkeypatch.setattr(driver_launch, "detect_environment", lambda: CPU_HOST)
+    monkeypatch.setattr(driver_launch, "ray_session", fake_session)
+    # check_shared asks the cluster's nodes
+    monkeypatch.setattr(driver_launch, "check_shared", lambda *args: None)
     monkeypatch.setattr(tune, "with_resources", record_resources)
     monkeypatch.setattr(tune, "Tuner", FakeTuner)
 
@@ -84,11 +86,11 @@ def test_a_gpu_sweep_is_checked_against_the_cluster_not_the_cpu_only_host(
 
 def test_without_an_address_a_gpu_sweep_is_refused_on_a_cpu_only_host(monkeypatch, tmp_path):
     """Ray would start here, on this machine: refused before it starts, naming the key."""
-    monkeypatch.setattr(tuning, "detect_environment", lambda: CPU_HOST)
-    monkeypatch.setattr(tuning, "ray_session", None)  # never reached
+    monkeypatch.setattr(driver_launch, "detect_environment", lambda: CPU_HOST)
+    monkeypatch.setattr(driver_launch, "ray_session", None)  # never reached
     # No Ray in this process, as in a fresh `raytrain tune` (`pytest -n 2` runs unit tests
     # after a tier, whose session Ray may still be up in the same process).
-    monkeypatch.setattr(tuning.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(driver_launch.ray, "is_initialized", lambda: False)
     cfg = load_config(
         None, [f"experiment.output_dir={tmp_path}", "scaling.use_gpu=true"], builtin=BUILTIN_SWEEP
     )
@@ -100,7 +102,7 @@ def test_without_an_address_a_gpu_sweep_is_refused_on_a_cpu_only_host(monkeypatc
 def test_trials_that_need_more_gpus_than_the_machine_has_are_refused(tmp_path):
     cfg = load_config(None, ["scaling.use_gpu=true", "scaling.gpus_per_worker=2"])
     with pytest.raises(PlanError, match="scaling.gpus_per_worker=2"):
-        tuning.check_trial_slots(cfg, make_env(cpus=8, gpus=1, gpu=A100), use_gpu=True)
+        trials.check_trial_slots(cfg, make_env(cpus=8, gpus=1, gpu=A100), use_gpu=True)
 
 
 @pytest.mark.parametrize(
@@ -117,4 +119,4 @@ def test_trials_that_need_more_gpus_than_the_machine_has_are_refused(tmp_path):
 def test_concurrent_trials_count_whole_gpus_and_cpus(gpus, share, cpus, expected):
     cfg = load_config(None, ["scaling.use_gpu=true", f"scaling.gpus_per_worker={share}"])
     env = make_env(cpus=cpus, gpus=gpus, gpu=A100, source="ray cluster")
-    assert tuning.concurrent_trials(cfg, env, use_gpu=True) == expected
+    assert trials.concurrent_trials(cfg, env, use_gpu=True) == expected

@@ -174,8 +174,7 @@ def test_a_backend_that_is_not_installed_fails_before_ray_with_exit_code_2(
         lambda name, *a: None if name == backend else real_find_spec(name, *a),
     )
     started = []
-    for module in ("raytrain_app.driver.training", "raytrain_app.sweep.tuning"):
-        monkeypatch.setattr(f"{module}.ray_session", lambda *a: started.append(a))
+    monkeypatch.setattr("raytrain_app.driver.launch.ray_session", lambda *a: started.append(a))
     assert main([command, "--set", f"tracking.{backend}=true"]) == 2
     err = capsys.readouterr().err
     assert err == (

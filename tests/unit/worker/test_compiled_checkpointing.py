@@ -21,7 +21,7 @@ from torch import nn
 
 from raytrain_app.config import config_from_dict
 from raytrain_app.protocol import ModelSpec, StepOutput
-from raytrain_app.worker import loop as loop_module
+from raytrain_app.worker import worker_setup
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
 
 FITS_WITHOUT_CHECKPOINTING = 4  # images per micro-batch; the plan asks for 16
@@ -60,7 +60,7 @@ def _image_task(tmp_path: Path) -> WorkerTask:
 def _out_of_memory_without_checkpointing(monkeypatch) -> None:
     """The built-in model, whose micro-batches above 4 images "run out of memory" (a
     stand-in raised after the forward, as CUDA's) unless checkpointing is on."""
-    build = loop_module.build_model
+    build = worker_setup.build_model
 
     def build_with_limit(ref, data_info) -> ModelSpec:
         spec = build(ref, data_info)
@@ -75,7 +75,7 @@ def _out_of_memory_without_checkpointing(monkeypatch) -> None:
 
         return replace(spec, step=step)
 
-    monkeypatch.setattr(loop_module, "build_model", build_with_limit)
+    monkeypatch.setattr(worker_setup, "build_model", build_with_limit)
 
 
 @pytest.mark.usefixtures("compile_on_cpu")

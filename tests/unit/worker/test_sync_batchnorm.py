@@ -10,8 +10,8 @@ from gloo_ranks import run_on_two_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_app.cli import _format_plan
 from raytrain_app.config import ConfigError, config_from_dict
+from raytrain_app.planning.plan_text import format_plan as _format_plan
 from raytrain_app.planning.rules import make_plan, resolve_config
 from raytrain_app.worker.sync_batchnorm import (
     GlooSyncBatchNorm,

@@ -22,8 +22,8 @@ from torch import nn
 import raytrain_app as rt
 from raytrain_app.checkpoint import store as ckpt
 from raytrain_app.config import config_from_dict
+from raytrain_app.driver.preflight import preflight
 from raytrain_app.driver.run_directory import RunDirectory
-from raytrain_app.driver.training import preflight
 from raytrain_app.errors import BadInputError, RunFailedError
 from raytrain_app.models.resnet_small import ResNetSmall
 from raytrain_app.models.wind_transformer import WindTransformer

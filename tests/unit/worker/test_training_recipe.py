@@ -264,7 +264,7 @@ def test_a_sweep_reaches_the_optimizer_params():
 
 
 def test_raytrain_plan_prints_the_recipe():
-    from raytrain_app.cli import _format_plan
+    from raytrain_app.planning.plan_text import format_plan as _format_plan
 
     cfg = config_from_dict({"train": {**RECIPE, "early_stopping": {"patience": 2}}})
     env = make_env()
@@ -279,7 +279,7 @@ def test_raytrain_plan_prints_the_recipe():
 def test_a_tune_trial_its_rule_stopped_counts_as_finished():
     import pandas as pd
 
-    from raytrain_app.sweep.tuning import _stopped_by_rule
+    from raytrain_app.sweep.results import stopped_by_rule as _stopped_by_rule
 
     cfg = config_from_dict({"train": {"epochs": 5, "early_stopping": {"patience": 1}}})
     history = pd.DataFrame({"epoch": [1, 2], "val_loss": [1.0, 1.5]})
