@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Executor
-from dataclasses import dataclass
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -62,9 +62,10 @@ class PreparedFiles:
         self._lock = threading.Lock()  # reader threads share the footers
         self.bytes_read = 0  # row groups' uncompressed bytes, for tests and the benchmark
 
-    def read_group(self, series: int, group: int) -> np.ndarray:
+    def read_group(self, series: int, group: int, out: np.ndarray | None = None) -> np.ndarray:
         """Row group ``group`` of series ``series``: ``[rows, features + 1]`` float32,
-        standardised with the training rows' statistics."""
+        standardised with the training rows' statistics; written into ``out`` when given
+        (a block's rows, so that no second copy is made)."""
         entry = self.manifest.series[series]
         location = self.folder.child(entry.file)
         try:
@@ -87,8 +88,12 @@ class PreparedFiles:
         values = np.stack([c.to_numpy().astype(np.float64) for c in table.columns], axis=1)
         with self._lock:
             self.bytes_read += table.nbytes
-        # Scaled as data in memory is (data.scaling), then float32.
-        return _standardised(values, self._mean, self._std).astype(np.float32)
+        if out is None:
+            out = np.empty(values.shape, dtype=np.float32)
+        # Scaled as data in memory is (data.scaling), then float32 (the cast on assignment
+        # rounds as astype does).
+        out[:] = _standardised(values, self._mean, self._std)
+        return out
 
     def _footer(self, series: int) -> pq.FileMetaData | None:
         with self._lock:
@@ -104,6 +109,9 @@ class WindowBlock:
     ids: np.ndarray  # [windows], the windows' ids among the split's windows
     context_length: int
     horizon: int
+    # (series, row group) -> where that row group lies in ``rows``: lets the next block
+    # copy a row group it shares with this one instead of reading it again.
+    groups: dict[tuple[int, int], slice] = field(default_factory=dict)
 
     @cached_property
     def _tensor(self) -> torch.Tensor:
@@ -118,42 +126,94 @@ class WindowBlock:
         return [self._tensor[x_rows], self._tensor[:, -1][y_rows]]
 
 
-def merge_blocks(blocks: list[WindowBlock]) -> WindowBlock:
-    """Equal-length blocks (one per lane) as one, lane after lane: a step then takes its
-    windows of every lane with one gather (``lane_positions``)."""
-    if len(blocks) == 1:
-        return blocks[0]
-    bases = np.cumsum([0, *(len(b.rows) for b in blocks[:-1])])
-    return WindowBlock(
-        rows=np.concatenate([b.rows for b in blocks]),
-        starts=np.concatenate([b.starts + base for b, base in zip(blocks, bases, strict=True)]),
-        ids=np.concatenate([b.ids for b in blocks]),
-        context_length=blocks[0].context_length,
-        horizon=blocks[0].horizon,
-    )
-
-
 def lane_positions(lanes: int, positions: int, part: slice) -> np.ndarray:
-    """Where ``part`` of every lane's block lies in their merge, lane after lane."""
+    """Where ``part`` of every lane's block lies in a block that holds the lanes' windows
+    lane after lane (``positions`` each)."""
     lane_starts = np.arange(lanes, dtype=np.int64)[:, None] * positions
     return (lane_starts + np.arange(part.start, part.stop)).reshape(-1)
 
 
+class PendingBlock:
+    """A block of windows being read: its rows are allocated once, and each row group it
+    needs is read into its place, on ``reads`` when given (else here and now), or copied
+    from ``held``, a block already in memory that has it. ``result`` waits for the reads.
+
+    Every row group is read at most once per block, however many of the block's windows
+    (of however many lanes) need it.
+    """
+
+    def __init__(
+        self,
+        files: PreparedFiles,
+        split: Split,
+        window_ids: np.ndarray,
+        reads: Executor | None = None,
+        held: WindowBlock | None = None,
+    ) -> None:
+        manifest = files.manifest
+        chunks = manifest.chunks(split)
+        chunk, index = chunks.locate(window_ids)
+        start_in_series = chunks.first[chunk] + index * manifest.stride
+        keys, which = np.unique(
+            np.stack([chunks.series[chunk], chunks.group[chunk]], axis=1).reshape(-1, 2),
+            axis=0,
+            return_inverse=True,
+        )
+        sizes = [_group_size(manifest, int(s), int(g)) for s, g in keys]
+        bases = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        which = which.reshape(-1)
+        self.block = WindowBlock(
+            rows=np.empty((int(bases[-1]), manifest.num_columns), dtype=np.float32),
+            starts=bases[which] + start_in_series - keys[which, 1] * manifest.rows_per_group,
+            ids=window_ids,
+            context_length=manifest.context_length,
+            horizon=manifest.horizon,
+        )
+        self._reads: list[Future[None]] = []
+        for (series, group), begin, end in zip(keys.tolist(), bases[:-1], bases[1:], strict=True):
+            place = slice(int(begin), int(end))
+            self.block.groups[(series, group)] = place
+            self._fill(files, (series, group), self.block.rows[place], reads, held)
+
+    def _fill(
+        self,
+        files: PreparedFiles,
+        key: tuple[int, int],
+        out: np.ndarray,
+        reads: Executor | None,
+        held: WindowBlock | None,
+    ) -> None:
+        if held is not None and key in held.groups:
+            out[:] = held.rows[held.groups[key]]  # the same bytes a read would give
+        elif reads is None:
+            files.read_group(*key, out=out)
+        else:
+            self._reads.append(reads.submit(_read_into, files, key, out))
+
+    def result(self) -> WindowBlock:
+        for read in self._reads:
+            read.result()
+        return self.block
+
+    def cancel(self) -> None:
+        """Drop the reads not yet started (one running finishes into rows nobody uses)."""
+        for read in self._reads:
+            read.cancel()
+
+
+def _read_into(files: PreparedFiles, key: tuple[int, int], out: np.ndarray) -> None:
+    # Returns nothing: a finished future holding a view would keep its block's rows alive.
+    files.read_group(*key, out=out)
+
+
+def _group_size(manifest: StreamManifest, series: int, group: int) -> int:
+    begin, end = group_rows(manifest, manifest.series[series], group)
+    return end - begin
+
+
 def read_windows(files: PreparedFiles, split: Split, window_ids: np.ndarray) -> WindowBlock:
     """The block of ``window_ids`` (of ``split``): every row group they need read once."""
-    manifest = files.manifest
-    chunks = manifest.chunks(split)
-    chunk, index = chunks.locate(window_ids)
-    series, group = chunks.series[chunk], chunks.group[chunk]
-    start_in_series = chunks.first[chunk] + index * manifest.stride
-    keys, which = np.unique(np.stack([series, group], axis=1), axis=0, return_inverse=True)
-    parts = [files.read_group(int(s), int(g)) for s, g in keys]
-    bases = np.concatenate([[0], np.cumsum([len(p) for p in parts])[:-1]]).astype(np.int64)
-    group_begin = keys[:, 1] * manifest.rows_per_group
-    which = which.reshape(-1)
-    starts = bases[which] + start_in_series - group_begin[which]
-    rows = np.concatenate(parts) if parts else np.empty((0, manifest.num_columns), np.float32)
-    return WindowBlock(rows, starts, window_ids, manifest.context_length, manifest.horizon)
+    return PendingBlock(files, split, window_ids).result()
 
 
 def window_batches(
@@ -167,20 +227,20 @@ def window_batches(
     """Windows ``[begin, end)`` of ``split`` (default: all) in manifest order, in batches of
     ``batch_size``. They are read in spans of whole batches starting within about
     ``BLOCK_ROWS`` rows, so that a row group is read once per span rather than once per
-    batch and memory stays bounded; the next span is read on ``read_ahead`` while this
-    one is used."""
+    batch and memory stays bounded (two spans); the next span's row groups are read on
+    ``read_ahead`` while this one is used, but the row group two spans share is copied."""
     end = files.manifest.chunks(split).num_windows if end is None else end
     span = batch_size * max(1, BLOCK_ROWS // files.manifest.stride // batch_size)
     starts = range(begin, end, span)
 
-    def read(first: int) -> WindowBlock:
+    def read(first: int, held: WindowBlock | None) -> PendingBlock:
         ids = np.arange(first, min(first + span, end), dtype=np.int64)
-        return read_windows(files, split, ids)
+        return PendingBlock(files, split, ids, read_ahead, held)
 
-    reads = [read_ahead.submit(read, first) for first in starts[:1]]
+    pending = read(starts[0], None) if starts else None
     for index in range(len(starts)):
+        block = pending.result()
         if index + 1 < len(starts):
-            reads.append(read_ahead.submit(read, starts[index + 1]))
-        block = reads.pop(0).result()
+            pending = read(starts[index + 1], block)
         for first in range(0, len(block.ids), batch_size):
             yield block.gather(slice(first, first + batch_size))

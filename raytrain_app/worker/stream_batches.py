@@ -1,9 +1,14 @@
 """A rank's batches of streaming data: its lanes' windows step by step, validation once.
 
 The order is ``data.stream_order``'s (the same global steps for every world size dividing
-the lane count); this module reads it with bounded memory: each lane holds the block it is
-in and the next one, read by background threads (pyarrow reads release the GIL) while the
-current block trains. A resume at step ``k`` reads the blocks holding ``k`` and nothing
+the lane count); this module reads it with bounded memory. The rank reads its lanes'
+blocks of one block index together, as one ``PendingBlock``: a row group that several of
+its lanes need is read once. It holds two such blocks: the one it trains on and the next,
+read by background threads (pyarrow reads release the GIL) while the current one trains;
+the next one copies the row groups the current one already holds. The order is a pure
+function of (seed, epoch, manifest), so the block after an epoch's last is the next
+epoch's first: it is read ahead while the epoch ends (and through validation), not when
+the next epoch starts. A resume at step ``k`` reads the blocks holding ``k`` and nothing
 before. Validation gives rank ``r`` the ``r``-th of W contiguous shares of the validation
 windows, read chunk by chunk: every window counts once for any number of workers.
 """
@@ -11,7 +16,7 @@ windows, read chunk by chunk: every window counts once for any number of workers
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,17 +30,16 @@ from raytrain_app.data.stream_order import (
     stream_steps_per_epoch,
 )
 from raytrain_app.data.stream_reader import (
+    PendingBlock,
     PreparedFiles,
     WindowBlock,
     lane_positions,
-    merge_blocks,
-    read_windows,
     window_batches,
 )
 from raytrain_app.planning.rules import TrainingPlan
 
-# Threads reading row groups ahead of training: enough to overlap a read per lane of a
-# rank with the step, few enough to leave the cores to the model.
+# Threads reading row groups ahead of training: two reads in flight hide the store's
+# latency, and leave the cores to the model.
 _READ_THREADS = 2
 
 
@@ -44,12 +48,15 @@ def read_ahead_bytes(
 ) -> int:
     """About the most a rank holds of streaming data (series longer than a row group;
     many shorter ones add a window's rows per series a block touches): per lane, the block
-    it trains on and the next, each its windows' rows plus a whole row group at either
-    end, in float32; and a row group in float64 per read in flight."""
+    it trains on and the next (the next epoch's first, at an epoch's end); while it
+    validates, the next epoch's first block and two spans of validation windows. A lane's
+    block or a span is its windows' rows plus a whole row group at either end, in float32
+    (a rank's block holds at most the sum of its lanes': shared row groups are held once).
+    Plus a row group in float64 per read in flight."""
     group_rows = rows_per_group + window - 1
     block_rows = BLOCK_ROWS + 2 * group_rows
-    lanes = lanes_per_rank * 2 * block_rows * num_columns * 4
-    return lanes + _READ_THREADS * group_rows * num_columns * 8
+    blocks = max(2 * lanes_per_rank, lanes_per_rank + 2)
+    return blocks * block_rows * num_columns * 4 + _READ_THREADS * group_rows * num_columns * 8
 
 
 class StreamBatches:
@@ -57,6 +64,11 @@ class StreamBatches:
 
     # Tests set this to a list to collect (epoch, step, this rank's window ids) per step.
     record_ids: list[tuple[int, int, np.ndarray]] | None = None
+    # Whether the block read next copies the row groups the current one holds rather than
+    # reading them again (data within two blocks is then read from the store once). The
+    # streaming benchmark clears it to time every block read from the store, as it is when
+    # the data is much larger than a block.
+    copy_held: bool = True
 
     def __init__(
         self,
@@ -80,6 +92,9 @@ class StreamBatches:
         self.steps_per_epoch = stream_steps_per_epoch(files.manifest, plan)
         self._prepare = prepare
         self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="raytrain-stream")
+        # The block read ahead, keyed (epoch, block): it outlives an epoch's iterator, so
+        # the next epoch's first block is read while this epoch ends.
+        self._ahead: tuple[tuple[int, int], PendingBlock] | None = None
         self.val = prepare(_ValidationBatches(self))
 
     def _order(self, epoch: int) -> EpochOrder:
@@ -95,11 +110,45 @@ class StreamBatches:
             raise ValueError(f"skip_samples={skip_samples} is not a whole number of steps")
         return iter(self._prepare(_EpochBatches(self, epoch, skip_samples // share)))
 
-    def read_block(self, order: EpochOrder, lane: int, block: int) -> Future[WindowBlock]:
-        positions = order.block_positions(lane, block)
-        return self._pool.submit(read_windows, self.files, "train", order.sequence_ids(positions))
+    def take_block(self, order: EpochOrder, block: int) -> WindowBlock:
+        """Block ``block`` of ``order`` for all this rank's lanes, lane after lane (waits
+        for it unless it was read ahead); starts reading the block that follows it."""
+        key = (order.epoch, block)
+        if self._ahead is not None and self._ahead[0] == key:
+            pending = self._ahead[1]
+        else:  # a first epoch, or a resume: what was read ahead is not what trains next
+            self._drop_ahead()
+            pending = self._start(order, block, held=None)
+        self._ahead = None
+        current = pending.result()
+        following = self._following(order, block)
+        self._ahead = (
+            (following[0].epoch, following[1]),
+            self._start(*following, held=current if self.copy_held else None),
+        )
+        return current
+
+    def _following(self, order: EpochOrder, block: int) -> tuple[EpochOrder, int]:
+        """The block trained after ``block``: the next one of the epoch, or after the
+        epoch's last (the one its last step is in) the next epoch's first. After the
+        run's last epoch that read is wasted: one block, inside the bound."""
+        if block < order.block_of_step(order.steps - 1):
+            return order, block + 1
+        return self._order(order.epoch + 1), 0
+
+    def _start(self, order: EpochOrder, block: int, held: WindowBlock | None) -> PendingBlock:
+        ids = np.concatenate(
+            [order.sequence_ids(order.block_positions(lane, block)) for lane in self.my_lanes]
+        )
+        return PendingBlock(self.files, "train", ids, self._pool, held)
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead[1].cancel()
+            self._ahead = None
 
     def shut_down(self) -> None:
+        self._drop_ahead()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -116,19 +165,16 @@ class _EpochBatches:
     def __iter__(self) -> Iterator[list]:
         stream, order = self.stream, self.order
         micro, lanes = stream.plan.per_worker_batch_size, len(stream.my_lanes)
-        held: dict[tuple[int, int], Future[WindowBlock]] = {}
-        merged: tuple[int, WindowBlock] | None = None  # the block all lanes are in, merged
+        block, current = -1, None
         for step in range(self.first_step, order.steps):
-            block = order.block_of_step(step)
-            for lane in stream.my_lanes:
-                for wanted in (block, block + 1):  # this block, and the next one read ahead
-                    if (lane, wanted) not in held and wanted * order.block < order.lane_length:
-                        held[(lane, wanted)] = stream.read_block(order, lane, wanted)
-                held.pop((lane, block - 1), None)
-            if merged is None or merged[0] != block:
-                # Once per block: every step of it then takes all its windows in one gather.
-                merged = (block, merge_blocks([held[(n, block)].result() for n in stream.my_lanes]))
-            current = merged[1]
+            if order.block_of_step(step) != block:
+                block = order.block_of_step(step)
+                # Let the block it leaves go first: the rank then holds two blocks at most,
+                # this one and the next, read ahead from here.
+                current = None
+                current = stream.take_block(order, block)
+            # A block holds its lanes' windows lane after lane: one gather takes the
+            # step's windows of every lane.
             at = lane_positions(lanes, len(current.ids) // lanes, order.step_slice(step))
             if stream.record_ids is not None:
                 stream.record_ids.append((self.epoch, step, current.ids[at]))

@@ -3,12 +3,15 @@ peak of the training worker, nor of the whole Ray process tree.
 
 The data (float64 Parquet, one file per series) is at least 10x the worker's allowance for
 data: the read-ahead bound that ``stream_batches.read_ahead_bytes`` computes from the lanes a
-rank reads (here one worker reads all 8). The prepare pass runs first, on its own and in
-this process (its memory on Ray is Ray Data's shuffle, not training's), and training then
-finds its output in ``data.cache_dir``. While the epoch trains, a sampler reads from
-/proc the training worker's peak resident memory (VmHWM: exact, however brief the peak) and
-the proportional set size (PSS: shared pages counted once) of every process of this
-session's Ray: Ray's own accounting does not see what workers hold (ray#65544).
+rank reads (here one worker reads all 8): two blocks of its lanes, the one it trains on and
+the one read ahead (at the epoch's end the next epoch's first, whose read starts while the
+epoch ends), or that next block and two spans of validation windows. The prepare pass
+runs first, on its own and in this process (its memory on Ray is Ray Data's shuffle, not
+training's), and training then finds its output in ``data.cache_dir``. While the epoch
+trains, a sampler reads from /proc the training worker's peak resident memory (VmHWM:
+exact, however brief the peak) and the proportional set size (PSS: shared pages counted
+once) of every process of this session's Ray: Ray's own accounting does not see what
+workers hold (ray#65544).
 """
 
 from __future__ import annotations
