@@ -115,6 +115,7 @@ class Launch:
         known = launch._config_known_before_ray()
         if known is not None:
             launch.run_dir.check_resumable(known)
+            launch.cfg = _streaming_decided(cfg, known)
         # Nothing is written to look; the lease itself is taken in ``lease``.
         refuse_if_held(launch.run_dir.location.uri, command.name)
         return launch
@@ -154,6 +155,17 @@ class Launch:
             # Again under the lease: of two runs that both passed the checks, one gets here.
             self.resuming = self.run_dir.check_resumable(self.resolved)
             yield self
+
+
+def _streaming_decided(cfg: RaytrainConfig, known: RaytrainConfig) -> RaytrainConfig:
+    """``cfg`` with ``data.streaming: auto`` as the plan before Ray decided it: that took a
+    listing of ``data.path`` (a bucket may hold many files), and the plan made again once
+    connected would otherwise list it again for the same answer."""
+    if cfg.data.streaming != "auto" or known.data.streaming == "auto":
+        return cfg
+    decided = cfg.model_copy(deep=True)
+    decided.data.streaming = known.data.streaming
+    return decided
 
 
 def _run_dir(cfg: RaytrainConfig) -> RunDirectory:

@@ -116,6 +116,36 @@ def test_following_the_config_through_train_returns_to_a_module_at_most_14_times
     assert path.returns <= 14, shown
 
 
+def test_whether_the_data_streams_is_decided_from_one_listing(monkeypatch, tmp_path):
+    """``data.streaming: auto`` sizes ``data.path`` once: the plan made again against the
+    embedded Ray keeps the choice made before Ray started, instead of listing a bucket of
+    many files a second time."""
+    from stream_data import PARAMS, series_table, write_files
+
+    from raytrain_app.config import config_from_dict
+    from raytrain_app.data import stream_choice
+    from raytrain_app.driver.training import train
+
+    sized: list[int] = []
+    size = stream_choice.file_bytes
+    monkeypatch.setattr(
+        stream_choice, "file_bytes", lambda files: sized.append(len(files)) or size(files)
+    )
+    folder = write_files(tmp_path / "data", series_table())
+    cfg = config_from_dict(
+        {
+            "experiment": {"name": "listed", "output_dir": str(tmp_path / "runs")},
+            "data": {"path": str(folder), "params": PARAMS},
+            "model": {"target": "window_regression:build_model", "params": {"hidden": 8}},
+            "train": {"epochs": 1},
+            "scaling": {"num_workers": 2},
+        }
+    )
+    with stood_in_ray(monkeypatch, tmp_path):
+        train(cfg, progress=False)
+    assert sized == [2]  # one sizing of the two files (it was two before Ray and after)
+
+
 if __name__ == "__main__":
     import tempfile
 
