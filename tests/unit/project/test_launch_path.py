@@ -8,6 +8,8 @@ at a module already left. The base modules (config, storage, errors, logging, pr
 are read everywhere and never count. Issue 33 measured a start that zig-zagged: 43 stops
 and 35 returns at depth 2 before the ``Launch`` (133 and 115 at depth 3).
 
+Along the same path, the launch sizes the data once (``data.streaming: auto``).
+
 Run as a script to print the path: ``python tests/unit/project/test_launch_path.py [depth]``.
 """
 
