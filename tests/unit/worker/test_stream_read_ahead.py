@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from environments import make_env
-from stream_data import PARAMS, prepare_here, series_table, write_files
+from stream_data import PARAMS, prepare_here, series_table, stream_run_config, write_files
 
 from raytrain_app.config import config_from_dict
 from raytrain_app.data.stream_reader import PendingBlock, PreparedFiles, read_windows
@@ -61,19 +61,15 @@ class CountingFiles(PreparedFiles):
 
 def _stream(prepared, tmp_path, lanes: int = 4) -> tuple[StreamBatches, CountingFiles]:
     source, store = prepared
-    cfg = config_from_dict(
-        {
-            "experiment": {"name": "ahead", "output_dir": str(tmp_path / "runs")},
-            "data": {
-                "path": str(source),
-                "streaming": True,
-                "cache_dir": str(tmp_path / "cache"),
-                "params": STREAM_PARAMS,
-            },
-            "train": {"global_batch_size": lanes},  # one window per lane and step
-            "scaling": {"num_workers": 1},
-        }
+    run = stream_run_config(
+        "ahead",
+        str(tmp_path / "runs"),
+        str(source),
+        str(tmp_path / "cache"),
+        STREAM_PARAMS,
+        global_batch_size=lanes,  # one window per lane and step
     )
+    cfg = config_from_dict(run)
     files = CountingFiles(store)
     stream = StreamBatches(
         files, make_plan(cfg, make_env()), seed=3, rank=0, world_size=1, prepare=lambda x: x
