@@ -25,6 +25,7 @@ from raytrain_app.testing.ports import free_ports
 START_TIMEOUT_S = 60.0  # moto imports every AWS service's model: slow on a loaded machine
 STOP_GRACE_S = 5.0
 _POLL_S = 0.2
+_PORT_ATTEMPTS = 3
 
 # moto accepts any key; these only have to be present so that no SDK looks further.
 CREDENTIALS = {
@@ -42,6 +43,10 @@ _MAKE_BUCKET = (
     "import sys; from raytrain_app.testing.s3_server import make_bucket; "
     "make_bucket(sys.argv[1], sys.argv[2])"
 )
+
+
+class _ServerExited(RuntimeError):
+    """The server process ended before it answered (on a picked port: most likely taken)."""
 
 
 @dataclass
@@ -96,7 +101,22 @@ def start_s3_server(
             does, so that ``stop`` signals the server itself.
         log_path: where the server's output goes (discarded when None).
     """
-    port = port or free_ports(1)[0]
+    # A port picked here was free a moment ago; another process (a Ray worker of a suite
+    # running beside) may bind it before the server does, and the server then exits at once.
+    # So a picked port is picked again; a port the caller named is tried once.
+    attempts = _PORT_ATTEMPTS if port is None else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start_on(host, port or free_ports(1)[0], bucket, enter, log_path)
+        except _ServerExited:
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_on(
+    host: str, port: int, bucket: str, enter: Sequence[str], log_path: Path | None
+) -> S3Server:
     server_command = [*enter, str(Path(sys.executable).parent / "moto_server")]
     env = _child_env()
     with open(log_path or os.devnull, "w") as log:  # the child keeps its own descriptor
@@ -177,12 +197,14 @@ def _make_bucket_beside(
     deadline = time.monotonic() + START_TIMEOUT_S + 10
     try:
         while maker.poll() is None:
-            if server.process.poll() is not None or time.monotonic() > deadline:
-                where = f"; its output is in {log_path}" if log_path else ""
-                raise RuntimeError(
-                    f"the S3 server at {server.endpoint_url} exited or did not answer "
+            where = f"; its output is in {log_path}" if log_path else ""
+            if server.process.poll() is not None:
+                raise _ServerExited(
+                    f"the S3 server at {server.endpoint_url} exited before it answered "
                     f"(exit status {server.process.poll()}){where}"
                 )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the S3 server at {server.endpoint_url} did not answer{where}")
             time.sleep(_POLL_S)
     finally:
         if maker.poll() is None:

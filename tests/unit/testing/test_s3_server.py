@@ -75,3 +75,32 @@ def test_stop_ends_the_server():
     server = start_s3_server(bucket="other")
     server.stop()
     assert server.process.poll() is not None
+
+
+def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again(monkeypatch):
+    """Before: the server exited at once on a port another process bound after it was picked
+    (in CI, a Ray worker of the suite running beside), and the test using it failed."""
+    import socket
+
+    from raytrain_app.testing import s3_server
+    from raytrain_app.testing.ports import free_ports
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy_port = taken.getsockname()[1]
+    picks = iter([[busy_port]])
+    monkeypatch.setattr(
+        s3_server, "free_ports", lambda count: next(picks, None) or free_ports(count)
+    )
+    try:
+        with pytest.raises(RuntimeError, match="exited before it answered"):
+            start_s3_server(port=busy_port, bucket="named")  # a named port is tried once
+        server = start_s3_server(bucket="picked")
+    finally:
+        taken.close()
+    try:
+        assert not server.endpoint_url.endswith(f":{busy_port}")
+        assert "Buckets" in client(server).list_buckets()
+    finally:
+        server.stop()
