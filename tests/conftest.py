@@ -3,9 +3,13 @@ real Ray and one uninterrupted reference run per session, for the tiers that nee
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
+import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 from fault_runs import fault_config
@@ -14,6 +18,7 @@ from ray_sessions import session_ray
 import raytrain_app as rt
 from raytrain_app.testing.isolation import private_home, ray_temp_dir
 from raytrain_app.testing.processes import stop_processes_naming
+from raytrain_app.tracking.metrics_log import read_metrics
 
 # Under `pytest -n N` (pytest-xdist, the README's command), each of these tiers runs in one
 # process: the distributed tier shares its session Ray and reference run, the cluster tier
@@ -96,11 +101,34 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def fault_reference(ray_cluster, tmp_path_factory):
+def fault_reference(request, tmp_path_factory):
     """The uninterrupted 4-epoch ``faults`` run that every interrupted run (a killed worker
     or driver, a stop signal, a preempted SLURM job) is compared with, bit for bit:
     trained once per session. Rank 0 records its DDP communication hooks and its nice value
-    in ``hooks.json`` beside the run directory (test_faults reads them)."""
+    in ``hooks.json`` beside the run directory (test_faults reads them).
+
+    Under ``pytest -n N`` it is trained once for the whole run, not once per process: the
+    first tier to need it trains it in its session Ray and leaves where it lies in the run's
+    shared temp dir; another tier reads it from there (the cluster tier would otherwise start
+    a session Ray for this one run, some 60 s of CI beside the distributed tier)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return _train_fault_reference(request, tmp_path_factory)
+    published = tmp_path_factory.getbasetemp().parent / "fault_reference.json"
+    with open(f"{published}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other tier waits while one trains it
+        if published.is_file():
+            from raytrain_app.driver.training import TrainResult  # imports Ray: only here
+
+            run_dir = Path(json.loads(published.read_text())["run_dir"])
+            summary = json.loads((run_dir / "summary.json").read_text())
+            return TrainResult(run_dir=run_dir, summary=summary, metrics=read_metrics(run_dir))
+        result = _train_fault_reference(request, tmp_path_factory)
+        published.write_text(json.dumps({"run_dir": str(result.run_dir)}))
+        return result
+
+
+def _train_fault_reference(request, tmp_path_factory) -> rt.TrainResult:
+    request.getfixturevalue("ray_cluster")
     out = tmp_path_factory.mktemp("ref")
     cfg = fault_config(out, "straight", record_comm_hooks=str(out / "hooks.json"))
     return rt.train(cfg, progress=False)

@@ -264,8 +264,15 @@ def _log_says(log, text: str, within_s: float = 15.0) -> bool:
 def test_a_node_local_output_dir_is_refused_before_training(cluster):
     config = train_config(cluster, "scratch", "/scratch/runs")
     args = [*TWO_NODES, str(SCRIPT), "--config", str(config), "--set", "scaling.num_workers=2"]
-    job_id, code = cluster.sbatch_wait(args)
-    log = (cluster.shared / f"raytrain-{job_id}.out").read_text()
+    for attempt in (1, 2):
+        job_id, code = cluster.sbatch_wait(args)
+        log_path = cluster.shared / f"raytrain-{job_id}.out"
+        # Submitted again only if node 2's Ray never started (as in the test above; seen in
+        # CI: its raylet gives the dashboard agent a fixed 15 s to start, ray-project/ray
+        # issue 65983): the refusal is decided once both nodes' Ray run.
+        if code == 2 or attempt == 2 or not _log_says(log_path, _NEVER_STARTED):
+            break
+    log = log_path.read_text()
     assert code == 2, log
     assert (
         "experiment.output_dir '/scratch/runs' is not shared with node 10.77.0.2; use "

@@ -74,12 +74,12 @@ def test_a_worker_killed_while_writing_a_checkpoint_restarts_and_loses_nothing(r
 
 
 def test_a_nan_on_one_rank_skips_that_step_on_every_rank(ray_cluster, tmp_path):
-    cfg = fault_config(tmp_path, "nan", nan_rank=1, nan_at_calls=[60])
+    cfg = fault_config(tmp_path, "nan", epochs=2, nan_rank=1, nan_at_calls=[60])
     cfg["train"]["on_nonfinite"] = "skip"
     result = rt.train(cfg, progress=False)
     # Rank 1's 60th micro-batch is step 60, in epoch 2; had rank 0 stepped alone, the
     # ranks' weights would differ and DDP would not notice, so the agreement is the point.
-    assert [row["skipped_steps"] for row in result.metrics] == [0, 1, 0, 0]
+    assert [row["skipped_steps"] for row in result.metrics] == [0, 1]
     assert all(
         torch.isfinite(p).all() for p in rt.load_model(result.run_dir, trust_code=True).parameters()
     )

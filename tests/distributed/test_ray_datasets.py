@@ -38,35 +38,34 @@ def _config(tmp_path, name: str, workers: int, *overrides: str) -> rt.RaytrainCo
     )
 
 
-def test_ray_datasets_train_on_2_workers_one_global_batch_a_step(ray_cluster, tmp_path):
-    """Two workers, where Ray's split of the rows matters (one worker reads them all)."""
-    rows = rt.train(_config(tmp_path, "w2", 2, "train.epochs=3"), progress=False).metrics
-    assert rows[-1]["val_loss"] < 0.7 * rows[0]["val_loss"]
-    # Every step takes one global batch, from as many rows on each worker.
-    assert [row["step"] for row in rows] == [STEPS, 2 * STEPS, 3 * STEPS]
-    assert {row["train_rows"] for row in rows} == {STEPS * GLOBAL_BATCH}
-    # Every validation row counted once, whatever the number of workers.
-    assert {row["val_rows"] for row in rows} == {VAL_ROWS}
-
-
-def test_a_mid_epoch_resume_trains_the_remaining_steps(ray_cluster, tmp_path):
+def test_two_workers_train_one_global_batch_a_step_and_a_mid_epoch_failure_resumes_exactly(
+    ray_cluster, tmp_path
+):
+    """Two workers, where Ray's split of the rows matters (one worker reads them all). One
+    worker fails at step 8 of the first epoch and the run resumes from step 5's checkpoint:
+    the epoch then trains only its remaining steps. (One run for both: a Ray run costs the
+    suite some 20 s before its first step.)"""
     marker = tmp_path / "failed-once"
     cfg = _config(
         tmp_path,
-        "resume",
+        "w2",
         2,
-        "train.epochs=1",
+        "train.epochs=3",
         "train.checkpoint_every_steps=5",
         "fault_tolerance.max_failures=1",
         "model.params.fail_at=8",  # after the checkpoint of step 5: resumes from there
         f"model.params.marker={marker}",
     )
-    result = rt.train(cfg, progress=False)
+    rows = rt.train(cfg, progress=False).metrics
     assert marker.exists()  # it did fail and resume
-    (row,) = result.metrics
-    # Steps 1-5 before the failure, 6 to the end after it: no step twice, none missing.
-    assert row["step"] == STEPS
-    assert row["train_rows"] == STEPS * GLOBAL_BATCH
+    assert rows[-1]["val_loss"] < 0.7 * rows[0]["val_loss"]
+    # Every step takes one global batch, from as many rows on each worker; in the first
+    # epoch, steps 1-5 before the failure and 6 to its end after it: no step twice, none
+    # missing.
+    assert [row["step"] for row in rows] == [STEPS, 2 * STEPS, 3 * STEPS]
+    assert {row["train_rows"] for row in rows} == {STEPS * GLOBAL_BATCH}
+    # Every validation row counted once, whatever the number of workers.
+    assert {row["val_rows"] for row in rows} == {VAL_ROWS}
 
 
 def test_fewer_rows_than_one_global_batch_are_refused_in_one_line(ray_cluster):
