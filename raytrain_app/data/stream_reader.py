@@ -8,12 +8,14 @@ each window starts in them; ``gather`` cuts the windows out as one batch, as
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -27,6 +29,11 @@ from raytrain_app.data.stream_manifest import (
 from raytrain_app.data.stream_order import BLOCK_ROWS
 from raytrain_app.errors import BadInputError, first_line
 from raytrain_app.storage import StorageLocation
+
+# Series files a reader keeps open (``PreparedFiles._handle``): a rank reads a few series
+# at a time (its lanes' blocks and the next ones), so a handful suffice; each holds a file
+# descriptor, or for an object store no connection at all.
+_OPEN_FILES = 32
 
 
 def load_manifest(folder: str) -> StreamManifest:
@@ -59,7 +66,8 @@ class PreparedFiles:
         self._mean = np.asarray([*stats.feature_mean, stats.target_mean], dtype=np.float64)
         self._std = np.asarray([*stats.feature_std, stats.target_std], dtype=np.float64)
         self._footers: dict[int, pq.FileMetaData] = {}
-        self._lock = threading.Lock()  # reader threads share the footers
+        self._handles: OrderedDict[int, pa.NativeFile] = OrderedDict()  # least recent first
+        self._lock = threading.Lock()  # reader threads share the footers and handles
         self.bytes_read = 0  # row groups' uncompressed bytes, for tests and the benchmark
 
     def read_group(self, series: int, group: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -69,11 +77,10 @@ class PreparedFiles:
         entry = self.manifest.series[series]
         location = self.folder.child(entry.file)
         try:
-            with location.filesystem.open_input_file(location.path) as handle:
-                parquet = pq.ParquetFile(handle, metadata=self._footer(series))
-                table = parquet.read_row_group(group)
-                with self._lock:
-                    self._footers.setdefault(series, parquet.metadata)
+            parquet = pq.ParquetFile(self._handle(series), metadata=self._footer(series))
+            table = parquet.read_row_group(group)
+            with self._lock:
+                self._footers.setdefault(series, parquet.metadata)
         except (OSError, ValueError) as exc:
             raise BadInputError(
                 f"Prepared data file '{location}' cannot be read ({first_line(exc)}); delete "
@@ -94,6 +101,26 @@ class PreparedFiles:
         # rounds as astype does).
         out[:] = _standardised(values, self._mean, self._std)
         return out
+
+    def _handle(self, series: int) -> pa.NativeFile:
+        """An open handle on series ``series``' file, kept for the next row group: opening
+        a file in an object store costs a request of its own (S3: a HEAD for its size)
+        before every ranged read. The most recently used ``_OPEN_FILES`` stay open; one
+        dropped while a reader thread still reads it closes once that thread is done.
+        Reads at an offset (what Parquet does) are safe from several threads at once."""
+        with self._lock:
+            handle = self._handles.get(series)
+            if handle is not None:
+                self._handles.move_to_end(series)
+                return handle
+        location = self.folder.child(self.manifest.series[series].file)
+        opened = location.filesystem.open_input_file(location.path)  # unlocked: a request
+        with self._lock:
+            handle = self._handles.setdefault(series, opened)  # another thread's if first
+            self._handles.move_to_end(series)
+            while len(self._handles) > _OPEN_FILES:
+                self._handles.popitem(last=False)
+        return handle
 
     def _footer(self, series: int) -> pq.FileMetaData | None:
         with self._lock:
