@@ -77,7 +77,8 @@ class PreparedFiles:
         entry = self.manifest.series[series]
         location = self.folder.child(entry.file)
         try:
-            parquet = pq.ParquetFile(self._handle(series), metadata=self._footer(series))
+            handle = self._handle(series, location)
+            parquet = pq.ParquetFile(handle, metadata=self._footer(series))
             table = parquet.read_row_group(group)
             with self._lock:
                 self._footers.setdefault(series, parquet.metadata)
@@ -102,18 +103,17 @@ class PreparedFiles:
         out[:] = _standardised(values, self._mean, self._std)
         return out
 
-    def _handle(self, series: int) -> pa.NativeFile:
-        """An open handle on series ``series``' file, kept for the next row group: opening
-        a file in an object store costs a request of its own (S3: a HEAD for its size)
-        before every ranged read. The most recently used ``_OPEN_FILES`` stay open; one
-        dropped while a reader thread still reads it closes once that thread is done.
-        Reads at an offset (what Parquet does) are safe from several threads at once."""
+    def _handle(self, series: int, location: StorageLocation) -> pa.NativeFile:
+        """An open handle on series ``series``' file (at ``location``), kept for the next
+        row group: opening a file in an object store costs a request of its own (S3: a HEAD
+        for its size) before every ranged read. The most recently used ``_OPEN_FILES``
+        stay open; one dropped while a reader thread still reads it closes once that thread
+        is done. Reads at an offset (what Parquet does) are safe from several threads."""
         with self._lock:
             handle = self._handles.get(series)
             if handle is not None:
                 self._handles.move_to_end(series)
                 return handle
-        location = self.folder.child(self.manifest.series[series].file)
         opened = location.filesystem.open_input_file(location.path)  # unlocked: a request
         with self._lock:
             handle = self._handles.setdefault(series, opened)  # another thread's if first

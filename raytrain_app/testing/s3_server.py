@@ -101,17 +101,15 @@ def start_s3_server(
             does, so that ``stop`` signals the server itself.
         log_path: where the server's output goes (discarded when None).
     """
+    if port is not None:  # the caller's port: tried once
+        return _start_on(host, port, bucket, enter, log_path)
     # A port picked here was free a moment ago; another process (a Ray worker of a suite
     # running beside) may bind it before the server does, and the server then exits at once.
-    # So a picked port is picked again; a port the caller named is tried once.
-    attempts = _PORT_ATTEMPTS if port is None else 1
-    for attempt in range(1, attempts + 1):
-        try:
-            return _start_on(host, port or free_ports(1)[0], bucket, enter, log_path)
-        except _ServerExited:
-            if attempt == attempts:
-                raise
-    raise AssertionError("unreachable")
+    # So a picked port is picked again; the last attempt's failure is raised.
+    for _ in range(_PORT_ATTEMPTS - 1):
+        with contextlib.suppress(_ServerExited):
+            return _start_on(host, free_ports(1)[0], bucket, enter, log_path)
+    return _start_on(host, free_ports(1)[0], bucket, enter, log_path)
 
 
 def _start_on(
@@ -195,9 +193,9 @@ def _make_bucket_beside(
         text=True,
     )
     deadline = time.monotonic() + START_TIMEOUT_S + 10
+    where = f"; its output is in {log_path}" if log_path else ""
     try:
         while maker.poll() is None:
-            where = f"; its output is in {log_path}" if log_path else ""
             if server.process.poll() is not None:
                 raise _ServerExited(
                     f"the S3 server at {server.endpoint_url} exited before it answered "

@@ -62,7 +62,7 @@ def test_beyond_the_open_files_bound_the_least_recent_is_dropped_and_reads_stay_
     tmp_path, monkeypatch
 ):
     source = write_files(tmp_path / "source", series_table())
-    prepared = prepare_here(str(source), PARAMS, tmp_path / "cache", rows_per_group=32)
+    prepared = prepare_here(str(source), PARAMS, tmp_path / "cache", rows_per_group=ROWS_PER_GROUP)
     groups = _groups(prepared)
     expected = [PreparedFiles(prepared.manifest, prepared.location).read_group(*g) for g in groups]
     monkeypatch.setattr(stream_reader, "_OPEN_FILES", 2)
