@@ -19,6 +19,7 @@ LOSS_PLOT_FILE = "loss.png"
 def loss_figure(rows: Sequence[Mapping[str, float]]) -> Any:
     """A matplotlib Figure of train and val loss per epoch (no pyplot: no global backend)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     figure = Figure(figsize=(6, 4), dpi=100, layout="tight")
     axes = figure.add_subplot()
@@ -26,6 +27,8 @@ def loss_figure(rows: Sequence[Mapping[str, float]]) -> Any:
     for key in ("train_loss", "val_loss"):
         axes.plot(epochs, [row.get(key, math.nan) for row in rows], marker="o", label=key)
     axes.set_xlabel("epoch")
+    # Rows are whole epochs: matplotlib's default ticks would add 1.5, 2.5 between them.
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_ylabel("loss")
     axes.legend()
     axes.grid(alpha=0.3)
