@@ -53,10 +53,6 @@ class StepAgreement:
         micro-batch: the one in which DDP all-reduces the gradients."""
         self._local, self._agreed = flags, None
 
-    def receive(self) -> list[bool]:
-        """For each flag, whether any rank set it; after that backward pass."""
-        return self.receive_flags().values()
-
     def receive_flags(self) -> AgreedFlags:
         """The agreed flags after that backward pass, read when the loop needs them."""
         if self.fused:

@@ -48,7 +48,7 @@ def _steps(rank: int, fuse: bool) -> dict:
         loss = model(inputs[step, rank]).square().mean()
         agreement.send(torch.tensor(flags[rank]))
         loss.backward()
-        agreed.append(agreement.receive())
+        agreed.append(agreement.receive_flags().values())
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     return {"agreed": agreed, "grads": torch.stack(grads)}
 
@@ -79,7 +79,7 @@ def test_one_worker_needs_no_collective():
     agreement = StepAgreement(nn.Linear(2, 2), world_size=1, fuse=True)
     assert not agreement.fused
     agreement.send(torch.tensor([1.0, 0.0]))
-    assert agreement.receive() == [True, False]
+    assert agreement.receive_flags().values() == [True, False]
 
 
 # --------------------------------------------------------------------------- in the loop
