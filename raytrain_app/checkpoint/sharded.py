@@ -12,22 +12,15 @@ as full state dicts gathered from every rank onto rank 0's CPU, so ``load_model`
 
 from __future__ import annotations
 
-import collections
-import copyreg
-import io
-import pathlib
-import pickle
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from raytrain_app.checkpoint import store
-from raytrain_app.errors import BadInputError
 
 # FSDP and torch.distributed.checkpoint are imported where they are used: importing them
 # (with DTensor) takes some 0.7 s of CPU, which every worker and driver process would pay
@@ -108,19 +101,41 @@ def load_sharded(
     directory: Path, *, model: nn.Module, optimizer: Any, ema: nn.Module | None
 ) -> None:
     """Load a sharded checkpoint into ``model``, ``optimizer`` and ``ema`` (sharded or not,
-    at any world size); every rank calls it."""
+    at any world size); every rank calls it.
+
+    Everything DCP would unpickle is read as data (``dcp_data.py``).
+
+    Raises:
+        BadInputError: a file holds anything else (it was replaced or edited).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+    from raytrain_app.checkpoint import dcp_data
+
+    # Read before DCP does: inside dcp.load a refusal would be retried, then wrapped.
+    checked = dcp_data.load_dcp_metadata(directory / SHARDED_METADATA_FILE)
     state = _resumable(model, optimizer, ema)
-    saved_ema = ema is not None and _has_key(directory, "ema")
+    saved_ema = ema is not None and any(k.startswith("ema.") for k in checked.state_dict_metadata)
     if ema is not None and not saved_ema:
         del state["ema"]
+    reader = dcp_data.CheckedReader(directory, checked)
     with warnings.catch_warnings():
         # One process without a process group (a one-worker resume) reads every shard
         # itself, as intended: DCP warns that it assumes so.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, storage_reader=_reader(directory), no_dist=not dist.is_initialized())
+        try:
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=dcp_data.DataLoadPlanner(directory),
+                no_dist=not dist.is_initialized(),
+            )
+        except dcp.api.CheckpointException as exc:
+            refused = dcp_data.refusal(exc)
+            if refused is None:
+                raise
+            raise refused from None
     set_state_dict(
         store.unwrap_model(model),
         optimizer,
@@ -131,99 +146,9 @@ def load_sharded(
         set_model_state_dict(ema, state["ema"])
 
 
-def _has_key(directory: Path, prefix: str) -> bool:
-    metadata = _reader(directory).read_metadata()
-    return any(key.startswith(prefix + ".") for key in metadata.state_dict_metadata)
-
-
 def _all_gather(obj: Any) -> list[Any]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def _reader(directory: Path) -> Any:
-    """DCP's file reader with its ``.metadata`` read as data.
-
-    DCP unpickles ``.metadata`` with plain ``pickle.load``: a replaced file in a shared run
-    directory would run code in every rank that resumes. The metadata is a tree of DCP's
-    own dataclasses, torch sizes and dtypes; anything else is refused.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    class MetadataReader(dcp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            path = Path(self.path) / SHARDED_METADATA_FILE
-            metadata = load_dcp_metadata(path)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = dcp.metadata.StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return MetadataReader(str(directory))
-
-
-def load_dcp_metadata(path: Path) -> Any:
-    """A DCP ``.metadata`` file, unpickled with only the classes it may hold.
-
-    Raises:
-        BadInputError: the file names anything else (it was replaced or edited).
-    """
-    try:
-        return _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as exc:
-        raise BadInputError(
-            f"'{path}' is not a sharded checkpoint's metadata ({exc}), so it was not loaded "
-            f"(unpickling it could run code); use a checkpoint written by raytrain, or start "
-            f"a new run (experiment.name)"
-        ) from None
-
-
-def _allowed_globals() -> dict[tuple[str, str], Any]:
-    """What DCP's metadata pickles reference: its dataclasses and enums, torch's sizes,
-    dtypes, layouts and memory formats, and the standard reconstructors."""
-    from torch.distributed.checkpoint import filesystem, metadata, planner
-
-    classes = [
-        metadata.ChunkStorageMetadata,
-        metadata._MEM_FORMAT_ENCODING,
-        metadata.TensorProperties,
-        metadata.TensorStorageMetadata,
-        metadata.BytesStorageMetadata,
-        metadata.StorageMeta,
-        metadata.Metadata,
-        metadata.MetadataIndex,
-        filesystem._StorageInfo,
-        planner.LoadItemType,
-        planner.WriteItemType,
-        torch.Size,
-        collections.OrderedDict,
-        pathlib.PosixPath,  # StorageMeta.checkpoint_id: the directory DCP wrote to
-        object,
-    ]
-    allowed = {(c.__module__, c.__qualname__): c for c in classes}
-    allowed[("copyreg", "_reconstructor")] = copyreg._reconstructor
-    # A layout pickles as a call of this lookup by name (torch.serialization).
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    for name in dir(torch):  # dtypes (torch.float32), layouts, memory formats
-        value = getattr(torch, name)
-        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-            allowed[("torch", name)] = value
-    return allowed
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that resolves only ``_allowed_globals`` (Python's documented
-    way of restricting what a pickle may call)."""
-
-    _allowed: dict[tuple[str, str], Any] | None = None
-
-    def find_class(self, module: str, name: str) -> Any:
-        if _MetadataUnpickler._allowed is None:
-            _MetadataUnpickler._allowed = _allowed_globals()
-        try:
-            return _MetadataUnpickler._allowed[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(f"it names {module}.{name}") from None

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -35,7 +34,6 @@ import yaml
 from forking_cli import ForkingCli
 
 import raytrain_app as rt
-from raytrain_app.checkpoint import sharded
 from raytrain_app.checkpoint.store import META_FILE, TRAIN_STATE_FILE, write_manifest
 from raytrain_app.errors import BadInputError
 from raytrain_app.predict import refuse_overwriting_data
@@ -247,15 +245,6 @@ def test_resume_refuses_a_train_state_carrying_a_pickle_payload(workspace, cli):
     message = _one_line_error(done)
     assert TRAIN_STATE_FILE in message and "unsupported GLOBAL posix.system" in message, message
     assert _ran(workspace) == []
-
-
-def test_a_sharded_checkpoints_metadata_is_read_without_running_its_pickle(tmp_path):
-    (tmp_path / sharded.SHARDED_METADATA_FILE).write_bytes(
-        pickle.dumps(_Payload(tmp_path / "marker"))
-    )
-    with pytest.raises(BadInputError, match="names posix.system"):
-        sharded.load_dcp_metadata(tmp_path / sharded.SHARDED_METADATA_FILE)
-    assert not (tmp_path / "marker").exists()
 
 
 def test_predict_refuses_edited_metadata_with_one_line(workspace, cli):
