@@ -21,6 +21,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from raytrain_app.checkpoint import sharded
 from raytrain_app.checkpoint import store as ckpt
+from raytrain_app.checkpoint.lr_rescale import rescale_lrs
 from raytrain_app.errors import BadInputError
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,10 @@ class Trainables:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     ema: AveragedModel | None
+    # The plan's peak lr (train.lr after lr_scaling), saved so that a resume at another
+    # lr rescales the schedule from it; None where the model's configure_optimizers sets
+    # the lrs.
+    lr: float | None = None
 
 
 def save_resumable(
@@ -169,6 +174,7 @@ def _loop_state(t: Trainables, state: LoopState, ranks: list[dict[str, Any]]) ->
         "segments": state.segments,
         "ranks": ranks,
         "ema_n_averaged": int(t.ema.n_averaged) if t.ema is not None else 0,
+        "lr": t.lr,
     }
 
 
@@ -204,8 +210,9 @@ def load_resumable(
     directory: Path, trainables: Trainables, lr: float | None, device: torch.device
 ) -> Resumed:
     """Load ``directory`` into ``trainables`` (or, if it is torn or corrupted, the newest
-    intact checkpoint older than it). ``lr`` replaces the saved base learning rate (times
-    each parameter group's lr_multiplier); None keeps the saved ones."""
+    intact checkpoint older than it). The schedule goes on at peak lr ``lr``: every lr it
+    holds is rescaled from the one the checkpoint was written at (``lr_rescale.py``);
+    None keeps the saved ones."""
     directory = ckpt.usable_checkpoint(directory)
     saved = ckpt.load_train_state(directory)
     t = trainables
@@ -220,7 +227,8 @@ def load_resumable(
     # The current plan's lr wins over the saved one: equal on a plain resume, different
     # when a Tune PBT trial continues a better trial's checkpoint with a mutated lr.
     if lr is not None:
-        _set_base_lr(t.scheduler, t.optimizer, lr)
+        saved_lr = saved.get("lr") or _earlier_lr(t.optimizer)
+        rescale_lrs(t.scheduler, t.optimizer, lr / saved_lr)
     _load_scaler(t.scaler, saved["scaler"])
     state = LoopState(
         epoch=saved["epoch"],
@@ -233,14 +241,12 @@ def load_resumable(
     return Resumed(directory, state, saved["ranks"])
 
 
-def _set_base_lr(
-    scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer, lr: float
-) -> None:
-    """``lr`` as the schedule's peak for every group (and every scheduler a SequentialLR
-    chains), scaled by the group's lr_multiplier (absent in earlier checkpoints: 1)."""
-    base = [lr * group.get("lr_multiplier", 1.0) for group in optimizer.param_groups]
-    for each in [scheduler, *getattr(scheduler, "_schedulers", [])]:
-        each.base_lrs = list(base)
+def _earlier_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The lr a checkpoint that recorded none (of an earlier version, or of a model's own
+    configure_optimizers) was trained at: its first group's start, over its lr_multiplier
+    (absent in earlier checkpoints: 1), where every built-in schedule starts."""
+    group = optimizer.param_groups[0]
+    return group["initial_lr"] / group.get("lr_multiplier", 1.0)
 
 
 def _load_scaler(scaler: torch.amp.GradScaler, saved: dict[str, Any]) -> None:

@@ -190,9 +190,15 @@ class WorkerLoop:
     def ema(self) -> Any:
         return self.stepper.ema
 
+    @property
+    def _lr(self) -> float | None:
+        """The plan's peak lr; None with the model's own configure_optimizers, whose lrs
+        stand (on a resume too)."""
+        return None if self.spec.configure_optimizers else self.plan.lr
+
     def _trainables(self) -> Trainables:
         s = self.stepper
-        return Trainables(s.model, s.module, s.optimizer, s.scheduler, s.scaler, s.ema)
+        return Trainables(s.model, s.module, s.optimizer, s.scheduler, s.scaler, s.ema, self._lr)
 
     # -- resume ---------------------------------------------------------------------------
     def resume(self) -> None:
@@ -200,9 +206,7 @@ class WorkerLoop:
             if restored is None:
                 return
             # A torn or corrupted newest checkpoint falls back to the next older one.
-            # With the model's own configure_optimizers its saved lrs stand.
-            lr = None if self.spec.configure_optimizers else self.plan.lr
-            resumed = load_resumable(restored, self._trainables(), lr, self.device)
+            resumed = load_resumable(restored, self._trainables(), self._lr, self.device)
         self.state = resumed.state
         self._resumed_epoch = resumed.restore_rank(self.rank, self.world_size)
         rank_zero_info(

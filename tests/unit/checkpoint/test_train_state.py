@@ -31,7 +31,7 @@ def _trainables(seed: int, loss_scaling: bool = True) -> Trainables:
     optimizer = torch.optim.AdamW(module.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
     scaler = torch.amp.GradScaler("cpu", enabled=loss_scaling)
-    return Trainables(module, module, optimizer, scheduler, scaler, make_ema(module, 0.9))
+    return Trainables(module, module, optimizer, scheduler, scaler, make_ema(module, 0.9), 0.01)
 
 
 def _train(t: Trainables, steps: int) -> None:
@@ -75,7 +75,7 @@ def test_everything_saved_comes_back_and_the_current_lr_wins(tmp_path):
         assert all(torch.equal(moments[name], restored[name]) for name in moments)
     assert fresh.scheduler.last_epoch == 5
     # A PBT trial continuing another trial's checkpoint trains with its own (mutated) lr.
-    assert fresh.scheduler.base_lrs == [0.05]
+    assert fresh.scheduler.base_lrs == [pytest.approx(0.05)]
     fresh.scheduler.step()
     assert fresh.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 / 7)
 
