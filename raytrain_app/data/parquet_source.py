@@ -104,9 +104,11 @@ def check_files(
         The resolved Parquet files.
     """
     files = resolve_paths(path)
+    columns = [*dict.fromkeys([*numeric, *other])]
+    first: tuple[DataFile, pa.Schema] | None = None
     for file in files:
         schema = _file_schema(file)
-        missing = [c for c in dict.fromkeys([*numeric, *other]) if c not in schema.names]
+        missing = [c for c in columns if c not in schema.names]
         if missing:
             raise BadInputError(
                 f"Column(s) {missing} not found in data file '{file}'; available columns: "
@@ -119,7 +121,28 @@ def check_files(
                     f"Column {name!r} of data file '{file}' has type {column_type}; it must be "
                     "numeric: convert it in the file or leave it out of data.params."
                 )
+        first = first or (file, schema)
+        _refuse_type_drift(first, file, schema, columns)
     return files
+
+
+def _refuse_type_drift(
+    first: tuple[DataFile, pa.Schema], file: DataFile, schema: pa.Schema, columns: list[str]
+) -> None:
+    """Every file gives each read column the first file's type: the prepare pass
+    concatenates the files' rows, which pyarrow refuses when types differ, and the
+    in-memory read casts them to the first file's type (losing digits silently, or failing
+    on a value that type cannot hold)."""
+    first_file, first_schema = first
+    for name in columns:
+        expected, found = first_schema.field(name).type, schema.field(name).type
+        if found != expected:
+            raise BadInputError(
+                f"Column {name!r} is {found} in data file '{file}' but {expected} in "
+                f"'{first_file}'; every file must give a column the same type: write the "
+                "files again with one type for it (cast it) or leave the odd file out of the "
+                "data path."
+            )
 
 
 def read_table(files: list[DataFile], columns: list[str]) -> pa.Table:

@@ -139,9 +139,9 @@ def build_windows(
     check_missing_option(missing)
     feature_columns, keys = _column_lists(feature_columns, group_column, time_column)
     table = _read_sorted(path, feature_columns, target_column, keys)
-    bounds = group_bounds(table, group_column)
+    bounds, ids = _series(table, group_column)
     features, target = _filled_columns(table, feature_columns, target_column, bounds, missing)
-    train_rows, val_rows = split_rows(bounds, context_length + horizon, val_fraction)
+    train_rows, val_rows = split_rows(bounds, context_length + horizon, val_fraction, ids)
     names, source = [*feature_columns, target_column], f"the Parquet data {_shown(path)}"
     inputs, scaled_target, stats = standardise(
         features, target, train_rows, stats, names=names, source=source
@@ -173,6 +173,18 @@ def _window_info(
         "target_channel": len(feature_columns),
         "season_length": int(season_length),
     }
+
+
+def _series(
+    table: pa.Table, group_column: str | None
+) -> tuple[list[tuple[int, int]], list[str] | None]:
+    """Each series' rows in ``table`` (sorted by group) and its id as the streaming prepare
+    pass names it, the group value as text (None without a group column)."""
+    bounds = group_bounds(table, group_column)
+    if group_column is None:
+        return bounds, None
+    firsts = table.column(group_column).take([begin for begin, _ in bounds])
+    return bounds, [str(value) for value in firsts.to_pylist()]
 
 
 def _shown(path: PathLike | Sequence[PathLike]) -> str:

@@ -26,6 +26,7 @@ from raytrain_app.data.parquet_windows import (
     _shown,
     check_window_arguments,
 )
+from raytrain_app.data.series_split import refuse_short_series
 from raytrain_app.data.stream_manifest import MANIFEST_NAME, StreamManifest, split_bounds
 from raytrain_app.data.stream_series import (
     ReadUnit,
@@ -115,6 +116,7 @@ def prepare_stream(
             metadata = _run_on_ray(files, units, spec, resources, task_env)
         else:
             metadata = _run_here(files, units, spec)
+    _refuse_short_series(metadata, spec)
     manifest = build_manifest(key, args, size, metadata, infos, spec)
     store.child(MANIFEST_NAME).write_text(manifest.to_json())  # last: the store is complete
     nodes = tuple(sorted({n for n in metadata.column("node").to_pylist() if n}))
@@ -279,6 +281,15 @@ def _source_columns(spec: SeriesSpec) -> list[str]:
     return [
         *dict.fromkeys([*spec.columns, *(c for c in (spec.group_column, spec.time_column) if c)])
     ]
+
+
+def _refuse_short_series(metadata: pa.Table, spec: SeriesSpec) -> None:
+    """Every series too short for a window, named in the order the in-memory path has."""
+    if "key" in metadata.column_names:  # group values in their own order, not as text
+        metadata = metadata.sort_by([("key", "ascending")])
+    rows = metadata.column("rows").to_pylist()
+    ids = metadata.column("id").to_pylist() if spec.group_column else [None] * len(rows)
+    refuse_short_series(list(zip(ids, rows, strict=True)), spec.window, spec.val_fraction)
 
 
 def _no_rows(spec: SeriesSpec) -> BadInputError:

@@ -2,7 +2,9 @@
 
 ``prepare_series`` is the unit of work that Ray Data runs once per series (``map_groups``)
 and the in-process pass runs in a loop; both give the same bytes. Its result is one row of
-metadata: the series' sizes and its training rows' per-column count, mean and M2.
+metadata: the series' sizes and its training rows' per-column count, mean and M2. A series
+too short for a window is not written; its row only tells its length, so that the driver
+names every such series in one refusal.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pyarrow.parquet as pq
 from raytrain_app.data.missing import fill_missing
 from raytrain_app.data.parquet_source import DataFile, column_as_float
 from raytrain_app.data.scaling import _refuse_non_finite
-from raytrain_app.data.series_split import split_rows
+from raytrain_app.data.series_split import series_fits, split_rows
 from raytrain_app.errors import BadInputError, first_line
 from raytrain_app.storage import StorageLocation
 
@@ -117,6 +119,12 @@ def prepare_series(table: pa.Table, spec: SeriesSpec, node: str | None = None) -
     table = table.sort_by(order)
     values = _filled(table, spec)
     rows = values.shape[0]
+    series_id, key = _identity(table, spec.group_column)
+    file = series_file(series_id)
+    if not series_fits(rows, spec.window, spec.val_fraction):
+        # No file: the driver, which sees every series, refuses them all in one line.
+        no_stats = [float("nan")] * len(spec.columns)
+        return _metadata(series_id, key, file, rows, 0, no_stats, no_stats, node)
     ((_, train_rows),), _ = split_rows([(0, rows)], spec.window, spec.val_fraction)
     _refuse_non_finite(values, spec.columns, spec.source)
     _refuse_beyond_float32(values, spec.columns, spec.source)
@@ -124,16 +132,28 @@ def prepare_series(table: pa.Table, spec: SeriesSpec, node: str | None = None) -
     # Two passes in float64; axis-0 reductions add row after row, whatever the alignment.
     mean = train.mean(axis=0)
     m2 = ((train - mean) ** 2).sum(axis=0)
-    series_id, key = _identity(table, spec.group_column)
-    file = series_file(series_id)
     spec.store.child(file).write_bytes(_file_bytes(values.astype(np.float32), spec))
+    return _metadata(series_id, key, file, rows, train_rows, mean.tolist(), m2.tolist(), node)
+
+
+def _metadata(
+    series_id: str,
+    key: pa.Array | None,
+    file: str,
+    rows: int,
+    train_rows: int,
+    mean: list[float],
+    m2: list[float],
+    node: str | None,
+) -> pa.Table:
+    """A series' one row of metadata (``key``: its group value, if it has one)."""
     metadata = {
         "id": pa.array([series_id], pa.string()),
         "file": pa.array([file], pa.string()),
         "rows": pa.array([rows], pa.int64()),
         "train_rows": pa.array([train_rows], pa.int64()),
-        "mean": pa.array([mean.tolist()], pa.list_(pa.float64())),
-        "m2": pa.array([m2.tolist()], pa.list_(pa.float64())),
+        "mean": pa.array([mean], pa.list_(pa.float64())),
+        "m2": pa.array([m2], pa.list_(pa.float64())),
         "node": pa.array([node], pa.string()),
     }
     if key is not None:  # the group's own value: series are ordered by it, not by its text

@@ -63,12 +63,12 @@ def test_ray_data_writes_the_same_bytes_as_the_in_process_pass(
     assert store_files(on_ray.location) == store_files(in_process.location)
 
 
-def test_a_bad_series_in_a_ray_task_is_the_one_line_error(ray_cluster, tmp_path):
-    source = write_files(tmp_path / "src", series_table(lengths={1: 100, 2: 20}))
+def test_a_bad_series_in_a_ray_task_is_the_one_line_error(ray_cluster, source, tmp_path):
+    """Every series has gaps, which ``missing: error`` refuses inside its Ray task."""
     with pytest.raises(BadInputError) as error:
-        prepare(str(source), tmp_path / "cache")
+        prepare(str(source), tmp_path / "cache", missing="error")
     assert type(error.value) is BadInputError
-    assert str(error.value).startswith("A series has 20 timesteps but needs at least 46")
+    assert str(error.value).startswith("Column 'wind' has 3 missing or non-finite value(s)")
     assert "\n" not in str(error.value)
 
 

@@ -372,6 +372,19 @@ CASES = [
         parquet("data.path=data/csv.parquet"),
         ("data/csv.parquet", "not a readable Parquet file", "write it again as Parquet"),
     ),
+    Case(  # the in-process streaming prepare concatenated them: a raw ArrowInvalid
+        "type_drift_train_local_streaming",
+        (
+            *parquet("data.path=data/drift", "data.streaming=true", "experiment.name=drift"),
+            "--local",
+        ),
+        ("'wind_speed' is double in data file 'data/drift/b.parquet'", "same type"),
+    ),
+    Case(
+        "type_drift_predict_input",
+        ("predict", "--checkpoint", RUN_DIR, "--input", "data/drift"),
+        ("'wind_speed' is double in data file 'data/drift/b.parquet'", "same type"),
+    ),
     Case(
         "parquet_without_feature_columns",
         on_existing("train", "data.path=data/turbines.parquet"),
@@ -632,6 +645,10 @@ def _write_data(data: Path) -> tuple[Path, dict]:
     speed = table.schema.get_field_index("wind_speed")
     text = table.set_column(speed, "wind_speed", pc.cast(table["wind_speed"], pa.string()))
     pq.write_table(text, data / "text_speed.parquet")
+    (data / "drift").mkdir()  # wind_speed is float in a.parquet, double in b.parquet
+    pq.write_table(table, data / "drift" / "a.parquet")
+    double = table.set_column(speed, "wind_speed", pc.cast(table["wind_speed"], pa.float64()))
+    pq.write_table(double, data / "drift" / "b.parquet")
     payload = good.read_bytes()
     (data / "truncated.parquet").write_bytes(payload[: len(payload) // 2])
     (data / "csv.parquet").write_text("turbine_id,wind_speed,power\n0,7.5,0.4\n")

@@ -92,12 +92,40 @@ def test_a_rewritten_source_file_gives_a_new_key_and_store(tmp_path):
     assert not second.reused and second.location != first.location
 
 
-def test_a_too_short_series_is_refused_as_in_memory(tmp_path):
-    source = write_files(tmp_path / "src", series_table(lengths={1: 100, 2: 20}))
-    with pytest.raises(BadInputError, match=r"^A series has 20 timesteps but needs at least 46"):
-        prepare(source, tmp_path / "cache")
-    with pytest.raises(BadInputError, match=r"^A series has 20 timesteps but needs at least 46"):
-        build_windows(str(source), **PARAMS)
+def refusals(source: Path, cache: Path, **params) -> tuple[str, str]:
+    """The one-line errors of the prepare pass and of the in-memory path on ``source``."""
+    with pytest.raises(BadInputError) as streamed:
+        prepare(source, cache, **params)
+    with pytest.raises(BadInputError) as in_memory:
+        build_windows(str(source), **{**PARAMS, **params})
+    assert not list(cache.rglob("manifest.json"))
+    return str(streamed.value), str(in_memory.value)
+
+
+def test_too_short_series_are_named_and_counted_as_in_memory(tmp_path):
+    lengths = {1: 100, 2: 20, 3: 45, **dict.fromkeys(range(10, 16), 10)}
+    source = write_files(tmp_path / "src", series_table(lengths=lengths))
+    streamed, in_memory = refusals(source, tmp_path / "cache")
+    assert streamed == in_memory
+    assert streamed.startswith(
+        "8 of 9 series are shorter than the 46 timesteps one train and one val window need "
+        "(context_length + horizon = 12, val_fraction = 0.25): '2' (20 timesteps), "
+        "'3' (45 timesteps), '10' (10 timesteps), '11' (10 timesteps), '12' (10 timesteps) "
+        "and 3 more; "
+    ), streamed
+    assert "\n" not in streamed and "data.params.context_length" in streamed
+
+
+def test_data_without_a_group_column_too_short_for_a_window_is_one_series(tmp_path):
+    table = series_table(lengths={5: 20}, gaps=False).drop_columns(["turbine", "hour"])
+    source = write_files(tmp_path / "src", table)
+    params = {"group_column": None, "time_column": None}
+    streamed, in_memory = refusals(source, tmp_path / "cache", **params)
+    assert streamed == in_memory
+    assert streamed.startswith(
+        "The data (one series: data.params.group_column is unset) has 20 timesteps but needs "
+        "at least 46 for one train and one val window"
+    ), streamed
 
 
 def test_missing_values_with_missing_error_are_refused_with_the_existing_line(source, tmp_path):
