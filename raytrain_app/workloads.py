@@ -11,15 +11,14 @@ import importlib
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raytrain_app.config import DataConfig, ModelConfig, RaytrainConfig
+from raytrain_app.data.stream_windows import FACTORY as STREAM_FACTORY
+from raytrain_app.data.stream_windows import StreamSplits
 from raytrain_app.errors import BadInputError
 from raytrain_app.protocol import DataSplits, ModelSpec, RayDataSplits, ray_data_refusal
 from raytrain_app.storage import StorageLocation, is_uri
-
-if TYPE_CHECKING:
-    from raytrain_app.data.stream_windows import StreamSplits
 
 BUILTIN_MODELS = {
     "wind_transformer": "raytrain_app.models.wind_transformer:build",
@@ -30,8 +29,6 @@ BUILTIN_DATA = {
     "synthetic_images": "raytrain_app.data.synthetic_images:build",
 }
 _PARQUET_FACTORY = "raytrain_app.data.parquet_windows:build"
-# Prepared streaming data: the factory only reads a manifest (data), like the one above.
-STREAM_FACTORY = "raytrain_app.data.stream_windows:build"
 # The synthetic data fixes its columns (and has no gaps); the windowing and the naive
 # baseline's season stay the user's choice.
 _SYNTHETIC_WINDOW_PARAMS = ("context_length", "horizon", "val_fraction", "stride", "season_length")
@@ -205,7 +202,6 @@ def _parquet_ref(
 ) -> FactoryRef:
     """Parquet windows in memory, or (``data.streaming``) prepared once here for workers to
     stream; ``task_env``: what the prepare pass's Ray tasks need to reach object stores."""
-    from raytrain_app.data import stream_windows
     from raytrain_app.data.stream_choice import streams
     from raytrain_app.data.stream_prepare import prepare_stream
 
@@ -219,7 +215,7 @@ def _parquet_ref(
         resources=dict(data.preprocess_resources),
         task_env=task_env,
     )
-    return FactoryRef(stream_windows.FACTORY, {"folder": prepared.location}, key)
+    return FactoryRef(STREAM_FACTORY, {"folder": prepared.location}, key)
 
 
 def stream_cache_root(data: DataConfig, data_dir: Path | StorageLocation) -> StorageLocation:
@@ -259,10 +255,8 @@ def _generator_defaults() -> dict[str, Any]:
 def build_data(ref: FactoryRef, seed: int) -> DataSplits | StreamSplits:
     """Call the data factory (inside a worker) and check it kept the protocol (or, for
     prepared streaming data, is raytrain's own streaming factory)."""
-    from raytrain_app.data import stream_windows
-
     splits = import_target(ref.target, ref.config_key)(dict(ref.params), seed)
-    if ref.target == stream_windows.FACTORY and isinstance(splits, stream_windows.StreamSplits):
+    if ref.target == STREAM_FACTORY and isinstance(splits, StreamSplits):
         return splits
     if isinstance(splits, RayDataSplits):  # only `raytrain train` on Ray hands them out
         raise BadInputError(ray_data_refusal(ref.config_key, ref.target, "this command"))

@@ -108,6 +108,77 @@ def test_the_check_catches_a_worker_importing_the_driver_inside_a_function(tmp_p
     ]
 
 
+def import_graph(paths, root=ROOT) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, every import counted (inside functions
+    and ``TYPE_CHECKING`` too); ``from raytrain_app.data import windows`` imports the module
+    ``raytrain_app.data.windows``, not the package. ``root``: the folder holding the package."""
+    dotted = {path: ".".join(path.relative_to(root).with_suffix("").parts) for path in paths}
+    dotted = {path: name.removesuffix(".__init__") for path, name in dotted.items()}
+    names = set(dotted.values())
+    graph = {}
+    for path, name in dotted.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    inner = f"{node.module}.{alias.name}"
+                    targets.add(inner if inner in names else node.module)
+        graph[name] = {t for t in targets & names if t != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import one another, directly or through others (the
+    strongly connected components of more than one module, by Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def test_no_modules_import_each_other():
+    """A circle makes the import order matter (a name read before its module finished
+    loading) and leaves no one module owning what both need."""
+    assert import_cycles(import_graph(MODULES)) == []
+
+
+def test_the_cycle_check_finds_a_circle_through_a_third_module_and_a_function(tmp_path):
+    sources = {
+        "a": "from raytrain_app.pkg import b\n",
+        "b": "def f():\n    import raytrain_app.pkg.c\n",
+        "c": "from raytrain_app.pkg.a import thing\n",
+        "d": "from raytrain_app.pkg import a\n",
+    }
+    package = tmp_path / "raytrain_app" / "pkg"
+    package.mkdir(parents=True)
+    for name, text in sources.items():
+        (package / f"{name}.py").write_text(text)
+    graph = import_graph(sorted(package.glob("*.py")), root=tmp_path)
+    assert import_cycles(graph) == [[f"raytrain_app.pkg.{name}" for name in "abc"]]
+
+
 def test_nothing_in_the_product_imports_the_testing_helpers():
     users = [
         module_name(path)
