@@ -9,7 +9,9 @@ A checkpoint directory holds:
 - ``ema.pt`` (only with ``train.ema.enabled``): the exponential moving average of the
   weights, a ``state_dict`` of the same plain model;
 - ``meta.json``: the model factory and params, the data info the model was sized from,
-  and the resolved run config, so ``load_model`` needs nothing but the directory;
+  and the resolved run config, so ``load_model`` needs nothing but the directory; and
+  the files of ``data.path`` it was trained on, which a resume checks
+  (``data_identity.py``);
 - ``manifest.json``, written last: every other file's size and SHA-256. A checkpoint
   whose manifest is missing or disagrees with the files was torn or corrupted, and is
   never loaded: resumes fall back to the next older valid checkpoint;

@@ -13,6 +13,7 @@ import logging
 
 import ray.train
 
+from raytrain_app.checkpoint.data_identity import ResumedData
 from raytrain_app.driver.failures import user_facing_error
 from raytrain_app.driver.launch import Launch
 from raytrain_app.driver.local_run import run_local
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 def run_training(launch: Launch, progress: bool) -> tuple[ray.train.Result, str | None]:
     """Run the launch's workers to the end; Ray's result and the stop signal, if any."""
     run_dir, resolved = launch.run_dir, launch.resolved
+    # Before the prepare pass: a resume on changed files is refused before it starts.
+    data = ResumedData.checked(
+        resolved.data, run_dir.at("checkpoints"), run_dir.at("data"), launch.resuming
+    )
     data_ref, ray_inputs = preflight(resolved, run_dir, launch.plan, launch.local)
     run_dir.write_config(resolved)
     how = " locally (Ray Train's local mode)" if launch.local else ""
@@ -39,6 +44,7 @@ def run_training(launch: Launch, progress: bool) -> tuple[ray.train.Result, str 
         data_ref,
         run_dir.location.uri,
         ray_data=ray_inputs.plan if ray_inputs else None,
+        data_identity=data.prepared(data_ref),
     )
     if launch.local:
         return run_local(task, resolved, run_dir.at("checkpoints"))

@@ -65,6 +65,7 @@ class WorkerTask:
     show_progress: bool = False  # rank 0 pushes progress for the driver's bar
     trial: SweepTrial | None = None  # a Tune trial: its sweep, for the trackers
     ray_data: RayDataPlan | None = None  # a data factory's Ray Datasets (driver.ray_datasets)
+    data_identity: dict[str, Any] | None = None  # data.path's files (checkpoint.data_identity)
 
 
 def train_worker(task: WorkerTask) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from raytrain_app.checkpoint.data_identity import IDENTITY_KEY
 from raytrain_app.checkpoint.ranking import SCORE_KEY, checkpoint_score
 from raytrain_app.checkpoint.sharded import is_sharded
 from raytrain_app.checkpoint.store import checkpoint_name
@@ -53,10 +54,14 @@ class Reporter:
 
 
 def checkpoint_meta(task: Any, data_info: dict[str, Any]) -> dict[str, Any]:
-    """The run's part of meta.json: factories by import path, data info, resolved config."""
-    return {
+    """The run's part of meta.json: factories by import path, data info, resolved config,
+    and the files of data.path, which a resume compares with the data it finds."""
+    meta = {
         "model_factory": asdict(task.model),
         "data_factory": asdict(task.data),
         "data_info": data_info,
         "config": task.config,
     }
+    if task.data_identity is not None:
+        meta[IDENTITY_KEY] = task.data_identity
+    return meta
