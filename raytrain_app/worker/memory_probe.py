@@ -1,11 +1,13 @@
 """Find the largest micro-batch that fits the GPU (``train.max_batch_per_worker: auto``).
 
 The probe runs forward and backward of the real model on real samples, halving the
-micro-batch on out-of-memory, while a reserve is held for what training adds later (the
-optimizer's state, DDP's gradient buckets and the EMA's copy of the weights) and, on a GPU
-shared with other trials (a fractional ``scaling.gpus_per_worker``), for the memory beyond
-this worker's share. The plan then keeps the global batch with gradient accumulation, so
-the optimisation is the same whatever fits.
+micro-batch on out-of-memory, while a reserve is held for what training adds later
+(``training_state_bytes``: the optimizer's state, measured on the optimizer the run
+builds, the gradients, DDP's gradient buckets and the EMA's copy of the weights, plus
+headroom for torch.compile) and, on a GPU shared with other trials (a fractional
+``scaling.gpus_per_worker``), for the memory beyond this worker's share. The plan then
+keeps the global batch with gradient accumulation, so the optimisation is the same
+whatever fits.
 """
 
 from __future__ import annotations
@@ -20,18 +22,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raytrain_app.config import TrainConfig
 from raytrain_app.errors import RunFailedError
 from raytrain_app.planning.batch import plan_batch
 from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import CollateFn, ModelSpec, collate
 from raytrain_app.worker.rank_zero import rank_zero_info
+from raytrain_app.worker.recipe import build_optimizer
 from raytrain_app.worker.session import to_device
 
 logger = logging.getLogger(__name__)
 
-# Bytes held back per parameter byte during the probe: AdamW's two moments, DDP's
-# gradient buckets and some allocator slack.
-_RESERVE_PER_PARAM_BYTE = 3.5
+# A model's own configure_optimizers builds its optimizer only once the run's length is
+# known, after the probe: its state is taken to be Adam's two moments, the common case.
+_HOOK_OPTIMIZER_STATE = 2.0
+# torch.compile trains a graph the eager probe never ran: Inductor's fusions can keep
+# more activations alive than eager does (pytorch/pytorch#135305), and its kernels load
+# onto the device at the first step. Held back besides: this share of the memory the
+# probe would otherwise leave for the batch.
+_COMPILE_HEADROOM = 0.1
 
 
 def largest_fitting(try_micro_batch: Callable[[int], None], upper: int) -> int:
@@ -53,18 +62,54 @@ def largest_fitting(try_micro_batch: Callable[[int], None], upper: int) -> int:
     )
 
 
-def training_state_bytes(module: nn.Module, ema: bool) -> int:
-    """Device memory training adds after the probe: the optimizer's moments and DDP's
-    buckets per parameter byte and, with ``train.ema``, the EMA's copy of every parameter
-    and buffer (``AveragedModel`` deep-copies the module)."""
-    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    buffer_bytes = sum(b.numel() * b.element_size() for b in module.buffers())
-    ema_bytes = param_bytes + buffer_bytes if ema else 0
-    return int(param_bytes * _RESERVE_PER_PARAM_BYTE) + ema_bytes
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_per_param_byte(
+    spec: ModelSpec, train: TrainConfig, plan: TrainingPlan
+) -> float:
+    """Bytes of state the run's optimizer keeps per parameter byte, measured: the optimizer
+    ``train.optimizer`` names, built as the workers build it over a stand-in parameter on
+    the CPU and stepped once (AdamW keeps 2, Adam with amsgrad 3, SGD with momentum 1,
+    without it 0). Scalars per tensor (Adam's step count) are left out."""
+    if spec.configure_optimizers is not None:
+        return _HOOK_OPTIMIZER_STATE
+    holder = nn.Module()
+    holder.weight = nn.Parameter(torch.zeros(1024))
+    # fused=True changes how the state is updated, not its size, and needs the GPU.
+    optimizer = build_optimizer(holder, train, replace(plan, fused_optimizer=False))
+    holder.weight.grad = torch.ones_like(holder.weight)
+    optimizer.step()
+    kept = [t for t in optimizer.state[holder.weight].values() if isinstance(t, torch.Tensor)]
+    return _bytes(t for t in kept if t.dim() > 0) / _bytes([holder.weight])
+
+
+def training_state_bytes(module: nn.Module, plan: TrainingPlan, optimizer_state: float) -> int:
+    """Device memory training adds to what the probe measures, for ``module`` trained as
+    ``plan`` says with an optimizer keeping ``optimizer_state`` bytes per parameter byte:
+
+    - the optimizer's state, created at the first step;
+    - the gradients: the probe frees its own after every try, training keeps them from a
+      backward pass to the optimizer's step, through the forward passes of the next
+      micro-batches under accumulation;
+    - DDP's gradient buckets (more than one worker), a copy of every gradient;
+    - with ``train.ema``, the EMA's copy of every parameter and buffer (``AveragedModel``
+      deep-copies the module).
+    """
+    param_bytes = _bytes(module.parameters())
+    buckets = 1.0 if plan.strategy == "ddp" and plan.world_size > 1 else 0.0
+    ema_bytes = param_bytes + _bytes(module.buffers()) if plan.ema_decay is not None else 0
+    return int(param_bytes * (optimizer_state + 1.0 + buckets)) + ema_bytes
 
 
 def probe_reserve(
-    state_bytes: int, share: float, free_bytes: int, total_bytes: int, used_bytes: int
+    state_bytes: int,
+    share: float,
+    free_bytes: int,
+    total_bytes: int,
+    used_bytes: int,
+    compiled: bool,
 ) -> int:
     """Bytes the probe holds on the GPU while it tries micro-batches.
 
@@ -75,12 +120,18 @@ def probe_reserve(
             share of ``total_bytes`` is held too.
         free_bytes, total_bytes: the GPU's free and total memory now.
         used_bytes: what this process holds already (the model's weights).
+        compiled: the model trains under torch.compile (``_COMPILE_HEADROOM``).
     """
     beyond_share = free_bytes - (min(share, 1.0) * total_bytes - used_bytes)
-    return int(state_bytes + max(beyond_share, 0))
+    held = state_bytes + max(beyond_share, 0)
+    if compiled:
+        held += max(free_bytes - held, 0) * _COMPILE_HEADROOM
+    return int(held)
 
 
-def _held_bytes(module: nn.Module, plan: TrainingPlan, device: torch.device) -> int:
+def _held_bytes(
+    module: nn.Module, plan: TrainingPlan, device: torch.device, optimizer_state: float
+) -> int:
     """``probe_reserve`` for ``module`` on ``device`` as it is now (0 off CUDA).
 
     Raises:
@@ -89,14 +140,13 @@ def _held_bytes(module: nn.Module, plan: TrainingPlan, device: torch.device) -> 
     if device.type != "cuda":
         return 0
     free, total = torch.cuda.mem_get_info(device)
-    state = training_state_bytes(module, ema=plan.ema_decay is not None)
-    held = probe_reserve(
-        state, plan.gpus_per_worker, free, total, torch.cuda.memory_reserved(device)
-    )
+    state = training_state_bytes(module, plan, optimizer_state)
+    used = torch.cuda.memory_reserved(device)
+    held = probe_reserve(state, plan.gpus_per_worker, free, total, used, plan.compile)
     if held >= free:
         raise RunFailedError(
-            f"the model's training state ({state / 2**30:.1f} GiB with optimizer moments, "
-            f"gradient buckets and any EMA) leaves no memory for a batch within "
+            f"the model's training state ({state / 2**30:.1f} GiB with optimizer state, "
+            f"gradients and any EMA) leaves no memory for a batch within "
             f"scaling.gpus_per_worker={plan.gpus_per_worker:g} of the GPU; raise "
             f"scaling.gpus_per_worker, set train.ema.enabled=false, or use a smaller model"
         )
@@ -167,6 +217,7 @@ def fit_plan_to_memory(
     autocast: Callable[[], contextlib.AbstractContextManager],
     device: torch.device,
     world_size: int,
+    train: TrainConfig,
     collate: CollateFn = collate,
 ) -> TrainingPlan:
     """``plan`` with the largest micro-batch that fits on every rank (the smallest over
@@ -178,6 +229,7 @@ def fit_plan_to_memory(
     batches are ``train_set``'s first samples, batched by the workload's ``collate``.
     """
     module.to(device)
+    state = optimizer_state_per_param_byte(spec, train, plan)  # train.optimizer's
 
     def probe() -> int:
         fits = probe_micro_batch(
@@ -197,7 +249,7 @@ def fit_plan_to_memory(
 
     checkpointing = plan.gradient_checkpointing
     hook = getattr(module, "gradient_checkpointing_enable", None)
-    with _reserve(_held_bytes(module, plan, device), device):
+    with _reserve(_held_bytes(module, plan, device, state), device):
         fits = probe()
         if fits < plan.per_worker_batch_size and plan.gradient_checkpointing_auto and hook:
             hook()

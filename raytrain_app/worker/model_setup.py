@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from raytrain_app.config import DistributedConfig
+from raytrain_app.config import DistributedConfig, TrainConfig
 from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import CollateFn, ModelSpec, collate
 from raytrain_app.worker.fsdp import shard_model_and_ema
@@ -30,6 +30,7 @@ def prepare_for_training(
     spec: ModelSpec,
     plan: TrainingPlan,
     distributed: DistributedConfig,
+    train: TrainConfig,
     session: WorkerSession,
     device: torch.device,
     train_data: Any,
@@ -38,7 +39,8 @@ def prepare_for_training(
     """Returns the plan (the memory probe may re-split the batch), the bare module (what
     checkpoints hold), the model as trained, the step agreement and the EMA (or None).
 
-    ``train_data`` and ``collate`` give the memory probe its batches."""
+    ``train_data`` and ``collate`` give the memory probe its batches, ``train`` the
+    optimizer whose state it holds room for."""
     world_size = session.world_size
     module = spec.module
     if plan.gradient_checkpointing:  # the driver checked the model has the hook
@@ -54,6 +56,7 @@ def prepare_for_training(
             lambda: autocast_for(plan.precision, device),
             device,
             world_size,
+            train,
             collate,
         )
     if plan.sync_batchnorm and has_batchnorm(module):

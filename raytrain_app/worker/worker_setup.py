@@ -68,6 +68,7 @@ def build_worker(
         spec,
         plan,
         cfg.distributed,
+        cfg.train,
         session,
         device,
         probe_samples(splits, plan),

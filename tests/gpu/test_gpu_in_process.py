@@ -4,7 +4,8 @@ loaders as a Ray worker runs them, for the proofs that need their objects.
 - fp16: the GradScaler skips the step whose gradient overflowed (the weights stay as they
   were) and lowers its scale, with the fused AdamW and compile a GPU plan picks;
 - the memory probe stops at a real CUDA out-of-memory, with the reserve for what training
-  adds later held: the same probe without the reserve would pick a bigger micro-batch;
+  adds later held: the same probe without the reserve would pick a bigger micro-batch, and
+  does with an optimizer that keeps no state (plain SGD);
 - batches of any shape (NamedTuple, ``BatchEncoding``-like, dataclass) arrive on the GPU
   through every session's loader, copied on a side stream while the previous batch trains.
 """
@@ -121,7 +122,8 @@ BALLAST = 128 * MIB // 4  # parameters no step uses: only the probe's reserve co
 
 class Hungry(nn.Module):
     """Activations in proportion to the batch, and parameters large enough that the probe's
-    reserve (3.5 times their bytes) decides which micro-batch fits."""
+    reserve (AdamW's two moments and the gradients: 3 times their bytes) decides which
+    micro-batch fits."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -153,24 +155,26 @@ def _peak(spec: ModelSpec, module: nn.Module, samples: list[Sample], size: int) 
     return peak
 
 
-def test_the_memory_probe_stops_at_real_cuda_memory_with_the_reserve_held(tmp_path):
+PLAIN_SGD = {"target": "torch.optim:SGD", "params": {}}
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "fits"), [("adamw", 8), (PLAIN_SGD, 16)], ids=["adamw", "plain_sgd"]
+)
+def test_the_memory_probe_stops_at_real_cuda_memory_with_the_reserve_held(
+    tmp_path, optimizer, fits
+):
     """The GPU's memory is capped (``set_per_process_memory_fraction``) between what 8 and
-    16 samples need with the reserve held; without the reserve 16 would fit. The batches
-    are NamedTuples, which the probe moves itself."""
+    16 samples need with AdamW's reserve held; without the reserve 16 would fit, and it
+    does with plain SGD, whose smaller reserve the probe measures on the optimizer itself.
+    The batches are NamedTuples, which the probe moves itself."""
     module = Hungry().to(CUDA)
     spec = ModelSpec(module=module, step=_step)
     samples = [Sample(torch.rand(1), torch.rand(())) for _ in range(32)]
     peak8, peak16 = _peak(spec, module, samples, 8), _peak(spec, module, samples, 16)
-    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    reserve = param_bytes * memory_probe._RESERVE_PER_PARAM_BYTE
-    budget = reserve + (peak8 + peak16) / 2
-    # What makes this test prove the reserve: 8 samples fit beside it with room to spare
-    # (half the difference: the allocator's rounding and fragmentation), 16 do not, and 16
-    # would fit the same memory without it.
-    assert peak8 + reserve < budget < peak16 + reserve and peak16 < budget
-    assert peak16 - peak8 > 64 * MIB
-
-    task = make_task(tmp_path, global_batch_size=16, max_batch_per_worker="auto")
+    task = make_task(
+        tmp_path, global_batch_size=16, max_batch_per_worker="auto", optimizer=optimizer
+    )
     # The whole GPU is this worker's (gpus_per_worker 1): the reserve is the training state.
     plan = replace(
         task.plan,
@@ -180,17 +184,34 @@ def test_the_memory_probe_stops_at_real_cuda_memory_with_the_reserve_held(tmp_pa
         use_gpu=True,
         gpus_per_worker=1.0,
     )
+
+    def reserve(optimizer: Any) -> int:
+        train = config_from_dict(
+            {**task.config, "train": {**task.config["train"], "optimizer": optimizer}}
+        ).train
+        state = memory_probe.optimizer_state_per_param_byte(spec, train, plan)
+        return memory_probe.training_state_bytes(module, plan, state)
+
+    adamw, plain_sgd = reserve("adamw"), reserve(PLAIN_SGD)
+    budget = adamw + (peak8 + peak16) / 2
+    # What makes this test prove the reserve: 8 samples fit beside AdamW's with room to
+    # spare (half the difference: the allocator's rounding and fragmentation), 16 do not,
+    # and 16 would fit the same memory without it, and do beside plain SGD's.
+    assert peak8 + adamw < budget < peak16 + adamw and peak16 < budget
+    assert peak16 - peak8 > 64 * MIB and peak16 + plain_sgd < budget
+    train = config_from_dict(task.config).train
+
     torch.cuda.empty_cache()
     limit = torch.cuda.memory_reserved() + budget
     torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.mem_get_info()[1])
     try:
         fitted = fit_plan_to_memory(
-            plan, spec, module, samples, contextlib.nullcontext, CUDA, 1, collate
+            plan, spec, module, samples, contextlib.nullcontext, CUDA, 1, train, collate
         )
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    assert (fitted.per_worker_batch_size, fitted.grad_accum_steps) == (8, 2)
-    assert fitted.max_batch_per_worker == 8
+    assert (fitted.per_worker_batch_size, fitted.grad_accum_steps) == (fits, 16 // fits)
+    assert fitted.max_batch_per_worker == fits
 
 
 # --------------------------------------------------------------------------- batches

@@ -24,6 +24,7 @@ from loop_harness import make_task
 from torch import nn
 from torch.utils.data import DataLoader
 
+from raytrain_app.config import config_from_dict
 from raytrain_app.protocol import ModelSpec, StepOutput, collate
 from raytrain_app.worker.memory_probe import fit_plan_to_memory
 from raytrain_app.worker.session import (
@@ -185,6 +186,7 @@ def test_a_named_tuple_batch_goes_through_the_memory_probe(tmp_path):
         torch.device("cpu"),
         world_size=1,
         collate=collate,
+        train=config_from_dict(task.config).train,
     )
     assert (fitted.per_worker_batch_size, fitted.grad_accum_steps) == (4, 4)
 
