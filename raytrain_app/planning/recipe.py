@@ -50,6 +50,31 @@ class OptimizerRecipe:
     takes_weight_decay: bool
     takes_fused: bool
 
+    def build(self, groups: list[dict[str, Any]], lr: float) -> torch.optim.Optimizer:
+        """The optimizer over ``groups`` (``parameter_group``s): what every worker trains
+        with, and what the driver tries once over a stand-in parameter."""
+        if not self.takes_weight_decay:
+            groups = [{k: v for k, v in g.items() if k != "weight_decay"} for g in groups]
+        return self.cls(groups, lr=lr, **self.kwargs)
+
+
+def parameter_group(params: list[Any], weight_decay: float, lr: float, factor: float) -> dict:
+    """One parameter group as the workers build them (``worker.recipe.param_groups``)."""
+    return {
+        "params": params,
+        "weight_decay": weight_decay,
+        "lr": lr * factor,
+        "lr_multiplier": factor,
+    }
+
+
+def _stand_in(recipe: OptimizerRecipe, train: TrainConfig) -> torch.optim.Optimizer:
+    """``recipe`` built over one stand-in parameter on the CPU, as a worker builds it."""
+    import torch
+
+    group = parameter_group([torch.nn.Parameter(torch.zeros(1))], train.weight_decay, train.lr, 1.0)
+    return recipe.build([group], train.lr)
+
 
 def import_target(target: str, key: str) -> Any:
     """``package.module:Attr`` imported; a one-line error naming ``key`` otherwise."""
@@ -107,27 +132,38 @@ def optimizer_recipe(train: TrainConfig, use_gpu: bool = False) -> OptimizerReci
             f"train.weight_decay: {cls.__name__} takes no weight_decay; set "
             f"train.weight_decay=0 and train.no_weight_decay=[]"
         )
-    fused = use_gpu and "fused" in accepted and "fused" not in params
-    kwargs = {**params, **({"fused": True} if fused else {})}
-    recipe = OptimizerRecipe(target, cls, kwargs, takes_decay, fused)
+    recipe = OptimizerRecipe(target, cls, params, takes_decay, takes_fused=False)
+    # The fused kernel where the class offers it, unless the params ask for another
+    # implementation (foreach, differentiable), which torch refuses beside fused=True.
+    implementation = params.get("foreach") or params.get("differentiable")
+    if use_gpu and "fused" in accepted and "fused" not in params and not implementation:
+        fused = OptimizerRecipe(target, cls, {**params, "fused": True}, takes_decay, True)
+        if _error(lambda: _stand_in(fused, train)) is None:
+            return fused
     _try_optimizer(recipe, train)
     return recipe
 
 
-def _try_optimizer(recipe: OptimizerRecipe, train: TrainConfig) -> None:
-    """Build it once over a dummy parameter: bad values (nesterov without momentum) fail here."""
-    import torch
-
-    decay = {"weight_decay": train.weight_decay} if recipe.takes_weight_decay else {}
-    kwargs = {k: v for k, v in recipe.kwargs.items() if k != "fused"}
+def _error(build: Callable[[], Any]) -> str | None:
+    """The first line of what ``build`` raises (any exception: a user's class may raise
+    anything), or None when it builds."""
     try:
-        recipe.cls([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, **decay, **kwargs)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        build()
+    except Exception as exc:  # every failure becomes one line naming the key
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{text} ({type(exc).__name__})" if text else type(exc).__name__
+    return None
+
+
+def _try_optimizer(recipe: OptimizerRecipe, train: TrainConfig) -> None:
+    """Build it once over a stand-in parameter with the workers' arguments: bad values
+    (nesterov without momentum, fused beside foreach) fail here, not in every worker."""
+    error = _error(lambda: _stand_in(recipe, train))
+    if error is not None:
         raise RecipeError(
-            f"train.optimizer: {recipe.cls.__name__}({_show(kwargs)}) fails: {first}; fix "
-            f"train.optimizer.params"
-        ) from None
+            f"train.optimizer: {recipe.cls.__name__}({_show(recipe.kwargs)}) fails: {error}; "
+            f"fix train.optimizer.params"
+        )
 
 
 def scheduler_class(schedule: ScheduleConfig) -> type | None:
@@ -148,6 +184,47 @@ def scheduler_class(schedule: ScheduleConfig) -> type | None:
         )
     _accepted(cls, "train.schedule", schedule.params, skip=1)
     return cls
+
+
+def build_schedule(
+    optimizer: torch.optim.Optimizer, train: TrainConfig, total_steps: int, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """``train.schedule`` after ``train.warmup_steps``, stepped once per optimizer step:
+    what every worker steps, and what the driver tries once (``check_schedule``)."""
+    import torch
+
+    schedule, lr_scheduler = train.schedule, torch.optim.lr_scheduler
+    cls = scheduler_class(schedule)
+    if cls is None:
+        return lr_scheduler.LambdaLR(optimizer, lr_multiplier(train, total_steps, steps_per_epoch))
+    warmup = train.warmup_steps
+    if not warmup:
+        return cls(optimizer, **schedule.params)
+    ramp = lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / warmup)
+    user = cls(optimizer, **schedule.params)
+    return lr_scheduler.SequentialLR(optimizer, [ramp, user], milestones=[warmup])
+
+
+def check_schedule(train: TrainConfig, recipe: OptimizerRecipe) -> None:
+    """Build ``train.schedule`` once over a stand-in optimizer, as the workers do, and step
+    a target's class once (a step_size of 0 divides by zero only then): a missing or bad
+    param is one line naming the key, not a failure in every worker."""
+    import warnings
+
+    cls = scheduler_class(train.schedule)
+    params = train.schedule.params
+
+    def first_steps() -> None:
+        with warnings.catch_warnings():  # torch warns of a scheduler stepped before its optimizer
+            warnings.simplefilter("ignore")
+            build_schedule(_stand_in(recipe, train), train, train.warmup_steps + 1, 1)
+            if cls is not None:
+                cls(_stand_in(recipe, train), **params).step()
+
+    error = _error(first_steps)
+    if error is not None:
+        what = f"{cls.__name__}({_show(params)})" if cls else (train.schedule.name or "")
+        raise RecipeError(f"train.schedule: {what} fails: {error}; fix train.schedule.params")
 
 
 def check_schedule_length(schedule: ScheduleConfig, total_steps: int, steps_per_epoch: int) -> None:

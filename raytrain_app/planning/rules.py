@@ -29,7 +29,7 @@ from raytrain_app.planning.choices import (
 )
 from raytrain_app.planning.environment import Environment
 from raytrain_app.planning.gpus import check_gpus, choose_tf32, gpu_notes
-from raytrain_app.planning.recipe import describe, optimizer_recipe, scheduler_class
+from raytrain_app.planning.recipe import check_schedule, describe, optimizer_recipe
 from raytrain_app.planning.workers import choose_world_size, worker_range, workers_fit
 
 
@@ -169,8 +169,9 @@ def _batch_choices(cfg: RaytrainConfig, world_size: int, use_gpu: bool) -> dict[
 def _recipe_choices(cfg: RaytrainConfig, use_gpu: bool) -> dict[str, Any]:
     """The optimizer, schedule, EMA, early stopping and checkpoint ranking, as planned."""
     train = cfg.train
-    recipe = optimizer_recipe(train, use_gpu)  # imported and checked here, once
-    scheduler_class(train.schedule)
+    # Imported and built here once, over a stand-in parameter, as every worker builds them.
+    recipe = optimizer_recipe(train, use_gpu)
+    check_schedule(train, recipe)
     optimizer, schedule, early_stopping = describe(train)
     return {
         # The fused CUDA kernel: one launch for all parameters instead of one per tensor.

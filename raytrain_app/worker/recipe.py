@@ -20,10 +20,10 @@ from torch import nn
 from raytrain_app.config import TrainConfig
 from raytrain_app.errors import BadInputError
 from raytrain_app.planning.recipe import (
+    build_schedule,
     check_schedule_length,
-    lr_multiplier,
     optimizer_recipe,
-    scheduler_class,
+    parameter_group,
 )
 from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import ModelSpec
@@ -54,10 +54,7 @@ def param_groups(module: nn.Module, train: TrainConfig, lr: float) -> list[dict[
         )
         decay = 0.0 if excluded else train.weight_decay
         factor = next((v for k, v in train.lr_multipliers.items() if fnmatchcase(name, k)), 1.0)
-        group = groups.setdefault(
-            (decay, factor),
-            {"params": [], "weight_decay": decay, "lr": lr * factor, "lr_multiplier": factor},
-        )
+        group = groups.setdefault((decay, factor), parameter_group([], decay, lr, factor))
         group["params"].append(param)
     return list(groups.values())
 
@@ -65,31 +62,18 @@ def param_groups(module: nn.Module, train: TrainConfig, lr: float) -> list[dict[
 def build_optimizer(
     module: nn.Module, train: TrainConfig, plan: TrainingPlan
 ) -> torch.optim.Optimizer:
-    """``train.optimizer`` over ``module``'s parameter groups at the plan's lr."""
+    """``train.optimizer`` over ``module``'s parameter groups at the plan's lr (built as
+    the driver tried it: ``planning.recipe``)."""
     recipe = optimizer_recipe(train, plan.fused_optimizer)
-    groups = param_groups(module, train, plan.lr)
-    if not recipe.takes_weight_decay:
-        for group in groups:
-            del group["weight_decay"]
-    return recipe.cls(groups, lr=plan.lr, **recipe.kwargs)
+    return recipe.build(param_groups(module, train, plan.lr), plan.lr)
 
 
 def build_scheduler(
     optimizer: torch.optim.Optimizer, train: TrainConfig, total_steps: int, steps_per_epoch: int
 ) -> Scheduler:
     """``train.schedule`` after ``train.warmup_steps``, stepped once per optimizer step."""
-    schedule = train.schedule
-    check_schedule_length(schedule, total_steps, steps_per_epoch)
-    cls = scheduler_class(schedule)
-    if cls is None:
-        factor = lr_multiplier(train, total_steps, steps_per_epoch)
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    warmup = train.warmup_steps
-    if not warmup:
-        return cls(optimizer, **schedule.params)
-    ramp = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / warmup)
-    user = cls(optimizer, **schedule.params)
-    return torch.optim.lr_scheduler.SequentialLR(optimizer, [ramp, user], milestones=[warmup])
+    check_schedule_length(train.schedule, total_steps, steps_per_epoch)
+    return build_schedule(optimizer, train, total_steps, steps_per_epoch)
 
 
 def configured(

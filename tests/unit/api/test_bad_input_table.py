@@ -112,6 +112,7 @@ ALIAS_BOMB = (
 # An AWS-style secret with a '/', which ends a URI's host part early.
 SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCY"
 HOSTILE_TIMEOUT_S = 20
+STEP_LR, ONE_CYCLE = "torch.optim.lr_scheduler:StepLR", "torch.optim.lr_scheduler:OneCycleLR"
 
 
 UNREADABLE_DATA = (
@@ -298,6 +299,27 @@ CASES = [
         "batch_not_divisible_by_workers",
         on_cpu("scaling.num_workers=2", "train.global_batch_size=65"),
         ("train.global_batch_size=65", "multiple of 2 (e.g. 64 or 66)"),
+    ),
+    # ------------------------------------------------------------------ recipe, tried on the driver
+    Case(
+        "scheduler_without_its_step_size",
+        on_cpu(f"train.schedule.target={STEP_LR}"),
+        ("train.schedule: StepLR()", "'step_size'", "fix train.schedule.params"),
+    ),
+    Case(
+        "scheduler_step_size_zero",  # torch builds it; its first step divides by zero
+        on_cpu(f"train.schedule.target={STEP_LR}", "train.schedule.params.step_size=0"),
+        ("train.schedule: StepLR(step_size=0)", "ZeroDivisionError", "fix train.schedule.params"),
+    ),
+    Case(
+        "onecycle_without_total_steps",
+        on_cpu(f"train.schedule.target={ONE_CYCLE}", "train.schedule.params.max_lr=0.01"),
+        ("train.schedule: OneCycleLR(max_lr=0.01)", "total_steps", "fix train.schedule.params"),
+    ),
+    Case(
+        "optimizer_fused_beside_foreach",
+        on_cpu("train.optimizer={target: 'torch.optim:AdamW', params: {fused: 1, foreach: 1}}"),
+        ("train.optimizer: AdamW(fused=1, foreach=1)", "fix train.optimizer.params"),
     ),
     Case(
         "batch_split_under_a_micro_batch_cap",

@@ -11,7 +11,7 @@ import cifar_resnet
 import pytest
 import recipe_probe
 import torch
-from environments import make_env
+from environments import A100, make_env
 from gloo_ranks import run_on_two_ranks
 from loop_harness import TIMING_KEYS, Crash, LocalSession, assert_same_run, make_task, run_loop
 from torch import nn
@@ -21,7 +21,7 @@ from raytrain_app.errors import BadInputError
 from raytrain_app.planning.recipe import check_schedule_length
 from raytrain_app.planning.rules import make_plan
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
-from raytrain_app.worker.recipe import param_groups
+from raytrain_app.worker.recipe import build_optimizer, param_groups
 
 LR, DECAY, MILESTONES = 0.05, 5e-4, [1, 2]  # 16 steps per epoch: lr x0.1 at steps 16, 32
 # The CIFAR recipe: SGD with Nesterov momentum, decay on the Linear weights only, multistep.
@@ -34,6 +34,8 @@ RECIPE = {
     "lr": LR,
 }
 EXAMPLES = Path(__file__).parents[3] / "examples"
+STEP_LR, ONE_CYCLE = "torch.optim.lr_scheduler:StepLR", "torch.optim.lr_scheduler:OneCycleLR"
+FUSED_AND_FOREACH = {"fused": True, "foreach": True}
 PROBE = {"target": "recipe_probe:build_model", "params": {"batchnorm": True}}
 
 
@@ -200,6 +202,26 @@ def test_the_hook_builds_the_optimizer_and_refuses_recipe_keys_beside_it(tmp_pat
             {"schedule": {"target": "torch.optim.lr_scheduler:StepLR", "params": {"size": 3}}},
             r"train\.schedule\.params: StepLR does not accept size",
         ),
+        (  # each is tried on the driver with the workers' arguments, not just imported
+            {"optimizer": {"target": "torch.optim:AdamW", "params": FUSED_AND_FOREACH}},
+            r"train\.optimizer: AdamW\(fused=True, foreach=True\) fails: `fused` and `foreach`",
+        ),
+        (
+            {"schedule": {"target": "torch.optim.lr_scheduler:StepLR"}},
+            r"train\.schedule: StepLR\(\) fails: .*'step_size'.* fix train\.schedule\.params",
+        ),
+        (
+            {"schedule": {"target": STEP_LR, "params": {"step_size": 0}, "unit": "step"}},
+            r"train\.schedule: StepLR\(step_size=0\) fails: .*ZeroDivisionError",
+        ),
+        (
+            {"schedule": {"target": STEP_LR, "params": {"step_size": 0}}, "warmup_steps": 5},
+            r"train\.schedule: StepLR\(step_size=0\) fails",  # its first step is after warmup
+        ),
+        (
+            {"schedule": {"target": ONE_CYCLE, "params": {"max_lr": 0.1}}},
+            r"train\.schedule: OneCycleLR\(max_lr=0\.1\) fails: You must define.*total_steps",
+        ),
         ({"schedule": {"name": "multistep", "milestones": [2, 5]}}, r"past the end of a 5-epoch"),
         ({"schedule": {"name": "multistep"}}, r"multistep needs milestones"),
         ({"no_weight_decay": [""]}, r"no_weight_decay"),
@@ -210,6 +232,19 @@ def test_a_bad_recipe_is_one_line_naming_the_key_before_any_worker(train, messag
     with pytest.raises(BadInputError, match=message) as caught:
         make_plan(config_from_dict({"train": train}), make_env())
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("implementation", [{"foreach": True}, {"differentiable": True}])
+def test_a_gpu_plan_keeps_the_optimizer_implementation_the_params_ask_for(implementation):
+    """fused=True beside foreach or differentiable is refused by torch in every worker."""
+    recipe = {"optimizer": {"target": "torch.optim:AdamW", "params": implementation}}
+    cfg = config_from_dict({"train": recipe})
+    plan = make_plan(cfg, make_env(cpus=8, gpus=1, gpu=A100))
+    assert not plan.fused_optimizer
+    optimizer = build_optimizer(nn.Linear(2, 1), cfg.train, plan)  # as a worker builds it
+    assert all(not group["fused"] for group in optimizer.param_groups)
+    default = make_plan(config_from_dict({}), make_env(cpus=8, gpus=1, gpu=A100))
+    assert default.fused_optimizer  # otherwise still fused on GPUs
 
 
 def test_a_milestone_in_steps_past_the_end_is_refused_once_the_steps_are_known():
