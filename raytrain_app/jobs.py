@@ -5,8 +5,9 @@ config and any user code in it) travels as the job's ``runtime_env`` and the ent
 is the same ``raytrain`` command, run on the head node.
 
 A job's runtime env is readable by anyone holding the cluster's token (the dashboard shows
-it), so it carries only the variables the user names (``--env-var``) and, when the run
-directory or the data is in S3, the AWS variables that authenticate and locate the store.
+it), so it carries only the variables the user names (``--env-var``) and those the stores
+the config names need (``planning.store_variables``): the AWS variables that authenticate
+and locate S3 when any location is in S3, MLflow's when it logs to an MLflow server.
 """
 
 from __future__ import annotations
@@ -25,12 +26,7 @@ from typing import Any
 
 from raytrain_app.driver.reachability import check_reachable
 from raytrain_app.errors import BadInputError, first_line
-from raytrain_app.planning.environment import (
-    enable_client_token_auth,
-    job_server_address,
-    storage_env_vars,
-)
-from raytrain_app.storage import uri_scheme
+from raytrain_app.planning.environment import enable_client_token_auth, job_server_address
 
 logger = logging.getLogger(__name__)
 
@@ -194,22 +190,38 @@ def _named_variables(names: Sequence[str]) -> dict[str, str]:
     return named
 
 
-def _store_variables(locations: dict[str, str | None]) -> dict[str, str]:
-    """What the job needs of this shell to reach the stores ``locations`` (config key ->
-    path or URI) are in: S3's variables when one is in S3, nothing for any other store."""
-    schemes = {key: uri_scheme(where) for key, where in locations.items() if where}
-    schemes = {key: scheme for key, scheme in schemes.items() if scheme not in (None, "file")}
-    on_s3 = [key for key, scheme in schemes.items() if scheme == "s3"]
-    found = storage_env_vars()
-    if on_s3 and found:
-        logger.info("%s in S3: the job gets this shell's %s", " and ".join(on_s3), ", ".join(found))
+def _store_variables(cfg: Any) -> dict[str, str]:
+    """What the job needs of this shell to reach the stores the config ``cfg`` names, as
+    ``storage_env_vars`` decides for workers and trials (names logged, never values)."""
+    from raytrain_app.planning.store_variables import (
+        S3_VARIABLES,
+        s3_keys,
+        storage_env_vars,
+        store_schemes,
+    )
+
+    sent, on_s3 = storage_env_vars(cfg), " and ".join(s3_keys(cfg))
+    for_s3 = [name for name in sent if name in S3_VARIABLES]
+    if on_s3 and for_s3:
+        logger.info("%s in S3: the job gets this shell's %s", on_s3, ", ".join(for_s3))
     elif on_s3:
         logger.info(
             "%s in S3 and no AWS variables set here: the job uses the cluster's own S3 access",
-            " and ".join(on_s3),
+            on_s3,
         )
-    _log_other_stores({key: scheme for key, scheme in schemes.items() if scheme != "s3"})
-    return found if on_s3 else {}
+    if for_mlflow := [name for name in sent if name not in S3_VARIABLES]:
+        logger.info(
+            "tracking.mlflow_tracking_uri is an MLflow server: the job gets this shell's %s",
+            ", ".join(for_mlflow),
+        )
+    # Web addresses (an MLflow server, a factory's URL) and local files are no stores here.
+    others = {
+        key: scheme
+        for key, schemes in store_schemes(cfg).items()
+        for scheme in sorted(schemes - {"s3", "file", "http", "https"})
+    }
+    _log_other_stores(others)
+    return sent
 
 
 def _log_other_stores(schemes: dict[str, str]) -> None:
@@ -235,8 +247,7 @@ def _job_variables(parsed: argparse.Namespace, names: Sequence[str]) -> dict[str
         cfg = load_config(config, parsed.overrides, builtin=BUILTIN_SWEEP)
     else:
         cfg = load_config(config, parsed.overrides)
-    stores = {"experiment.output_dir": cfg.experiment.output_dir, "data.path": cfg.data.path}
-    variables = {**_store_variables(stores), **named}
+    variables = {**_store_variables(cfg), **named}
     if named:
         logger.info("the job gets this shell's %s (--env-var)", ", ".join(named))
     return variables

@@ -1,11 +1,17 @@
 """What every config section shares: the error type, the strict base model, constrained types."""
 
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from raytrain_app.errors import BadInputError
-from raytrain_app.storage.location import has_credentials, redact_credentials
+from raytrain_app.storage.location import (
+    credentials_advice,
+    has_credentials,
+    redact_credentials,
+    uri_scheme,
+)
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -32,15 +38,41 @@ class ConfigError(BadInputError):
         super().__init__(redact_credentials(" ".join(message.splitlines())))
 
 
-def refuse_credentials(value: str | None) -> str | None:
-    """A field validator's check that a path or URI carries no ``user:password@``."""
-    if value is not None and has_credentials(value):
-        raise ValueError(
-            "the URI carries credentials, which logs and run files would show; give it "
-            "without them and pass the credentials through the environment "
-            "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3://)"
-        )
-    return value
+def _with_credentials(value: Any, where: str = "") -> tuple[str, str] | None:
+    """The first string in ``value`` (nested mappings and lists walked) holding a URI with
+    credentials, and where it sits below the key (``['db']['url']``; '' for the value)."""
+    if isinstance(value, str):
+        return (where, value) if has_credentials(value) else None
+    if isinstance(value, Mapping):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for inner, item in items:
+        found = _with_credentials(item, f"{where}[{inner!r}]")
+        if found:
+            return found
+    return None
+
+
+# An MLflow server's credentials: MLflow's client reads these (a database's go by scheme).
+_MLFLOW_VARIABLES = (
+    "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN"
+)
+
+
+def refuse_credentials(value: Any, info: ValidationInfo) -> Any:
+    """The one rule for every key of the config: no URI in it carries ``user:password@``
+    or a token (the config is written to config.yaml, every checkpoint's meta.json and
+    Tune's results); the message says which variables take the credentials instead."""
+    found = _with_credentials(value)
+    if found is None:
+        return value
+    where, text = found
+    server = info.field_name == "mlflow_tracking_uri" and uri_scheme(text) in ("http", "https")
+    advice = credentials_advice(text, _MLFLOW_VARIABLES if server else None)
+    raise ValueError(f"{where} = {redact_credentials(repr(text))}: {advice}" if where else advice)
 
 
 class _Section(BaseModel):
@@ -54,3 +86,6 @@ class _Section(BaseModel):
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False
     )
+
+    # Every key of every section, free-form params and swept values included.
+    _no_credentials = field_validator("*")(refuse_credentials)

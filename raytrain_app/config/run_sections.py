@@ -11,7 +11,6 @@ from raytrain_app.config.base import (
     PositiveFloat,
     PositiveInt,
     _Section,
-    refuse_credentials,
 )
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
@@ -32,8 +31,6 @@ class ExperimentConfig(_Section):
     seed: NonNegativeInt = Field(
         0, description="Seed for model initialisation, data generation and shuffling."
     )
-
-    _no_credentials = field_validator("output_dir")(refuse_credentials)
 
     @field_validator("name")
     @classmethod
@@ -135,8 +132,6 @@ class DataConfig(_OneSource):
         "directory's data/.",
     )
 
-    _no_credentials = field_validator("path", "cache_dir")(refuse_credentials)
-
 
 class TuneConfig(_Section):
     """The Ray Tune sweep run by ``raytrain tune``."""
@@ -185,7 +180,9 @@ class TrackingConfig(_Section):
     )
     mlflow_tracking_uri: NonEmptyStr | None = Field(
         None,
-        description="MLflow tracking URI (a server or a database); null: the file store in the "
+        description="MLflow tracking URI (a server or a database), without credentials: "
+        "MLflow reads a server's from MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+        "(or MLFLOW_TRACKING_TOKEN), which go to the workers too; null: the file store in the "
         "run directory.",
     )
     wandb: bool = Field(

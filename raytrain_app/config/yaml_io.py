@@ -9,7 +9,6 @@ the first deep copy or dump of the config would build); every problem becomes a 
 
 import os
 import re
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from raytrain_app.config.base import ConfigError
 from raytrain_app.config.keys import _SECTIONS
 from raytrain_app.config.messages import _kind
 from raytrain_app.config.schema import RaytrainConfig
+from raytrain_app.storage.location import temporary_file
 
 # files in raytrain_app/configs/, read when no --config is given
 BUILTIN_CONFIG = "quickstart.yaml"
@@ -188,8 +188,7 @@ def dump_config_yaml(cfg: RaytrainConfig) -> str:
 def save_config(cfg: RaytrainConfig, path: str | Path) -> Path:
     """Write the config as YAML atomically, so a crash never leaves a half-written file."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, tmp = temporary_file(target)  # the mode a plain write gets, for others to read
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(dump_config_yaml(cfg))
@@ -197,6 +196,6 @@ def save_config(cfg: RaytrainConfig, path: str | Path) -> Path:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return target

@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raytrain_app.errors import BadInputError
+from raytrain_app.storage.location import temporary_file
 
 logger = logging.getLogger(__name__)
 
@@ -163,15 +163,14 @@ def materialize(cache_dir: Path, *, num_turbines: int, num_hours: int, seed: int
     target = cache_dir / f"synthetic_wind-{_digest(num_turbines, num_hours, seed)}.parquet"
     if target.exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
     table = generate(num_turbines=num_turbines, num_hours=num_hours, seed=seed)
-    fd, tmp_name = tempfile.mkstemp(dir=cache_dir, prefix=f".{target.name}.", suffix=".tmp")
+    fd, tmp = temporary_file(target)  # readable by whoever shares the cache, as the umask says
     os.close(fd)
     try:
-        pq.write_table(table, tmp_name)
-        os.replace(tmp_name, target)
+        pq.write_table(table, tmp)
+        os.replace(tmp, target)
     except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     logger.info("Generated synthetic wind data (%d rows) at %s", table.num_rows, target)
     return target

@@ -34,7 +34,8 @@ from raytrain_app.config import RaytrainConfig
 from raytrain_app.driver import ray_internals as internals
 from raytrain_app.driver.run_control import DriverControl
 from raytrain_app.driver.signals import stop_on_signals
-from raytrain_app.planning.environment import storage_env_vars, training_worker_env_vars
+from raytrain_app.planning.environment import training_worker_env_vars
+from raytrain_app.planning.store_variables import storage_env_vars
 from raytrain_app.storage import StorageLocation
 from raytrain_app.worker.loop import WorkerTask, train_worker
 
@@ -47,10 +48,19 @@ class RaytrainTorchTrainer(TorchTrainer):
 
     Args:
         embedded_ray: this process started the Ray it runs on (``ray_connection.ray_started_here``).
+        storage_env: the variables the run's stores need (``storage_env_vars``), which
+            Ray Train's controller gets too.
     """
 
-    def __init__(self, *args: Any, embedded_ray: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        embedded_ray: bool = False,
+        storage_env: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         self._embedded_ray = embedded_ray
+        self._storage_env = storage_env or {}
         super().__init__(*args, **kwargs)
 
     def _register_sigint_handler(self, controller: Any) -> None:
@@ -75,10 +85,10 @@ class RaytrainTorchTrainer(TorchTrainer):
                 self.scaling_config
             )
         # The controller reads and writes the run's storage too (Ray's validation file, its
-        # checkpoint bookkeeping): it gets the driver's AWS_* variables the way Ray Train
-        # passes its own settings to it (the workers get them in worker_runtime_env).
+        # checkpoint bookkeeping): it gets the stores' variables the way Ray Train passes
+        # its own settings to it (the workers get them in worker_runtime_env).
         propagated = getattr(internals.train_constants, "ENV_VARS_TO_PROPAGATE", None)
-        added = set(storage_env_vars()) - propagated if isinstance(propagated, set) else set()
+        added = set(self._storage_env) - propagated if isinstance(propagated, set) else set()
         if added:
             propagated.update(added)
         try:
@@ -157,6 +167,7 @@ def run_trainer(
     Train splits over the workers; None for raytrain's own loaders.
     """
     plan = task.plan
+    storage_env = storage_env_vars(cfg)
     run_config = ray.train.RunConfig(
         name=cfg.experiment.name,
         storage_path=checkpoints.path,
@@ -165,8 +176,8 @@ def run_trainer(
         checkpoint_config=ray.train.CheckpointConfig(**checkpoint_retention(cfg.train)),
         # Ray Train's per-report INFO lines would drown raytrain's own epoch lines.
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-        # Workers on other nodes reach an object store with the driver's AWS_* settings.
-        worker_runtime_env={"env_vars": {**training_worker_env_vars(), **storage_env_vars()}},
+        # Workers on other nodes reach the run's stores with the driver's variables for them.
+        worker_runtime_env={"env_vars": {**training_worker_env_vars(), **storage_env}},
     )
     scaling = ray.train.ScalingConfig(
         # (min, max): Ray Train's elastic mode; the workers re-split the batch for the size
@@ -190,6 +201,7 @@ def run_trainer(
             datasets=datasets,
             dataset_config=dataset_config,
             embedded_ray=embedded_ray,
+            storage_env=storage_env,
         )
         result = trainer.fit()
     return result, received[0] if received else None

@@ -14,7 +14,7 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -351,31 +351,7 @@ def training_worker_env_vars() -> dict[str, str]:
     return {_RAY_WORKER_NICENESS: os.environ.get(_RAY_WORKER_NICENESS, "0")}
 
 
-# The AWS variables that authenticate and locate an S3 store: what workers, trials and a
-# submitted job get when the run is in S3. Never the ones that name files or profiles of
-# this machine (AWS_PROFILE, AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE, AWS_CA_BUNDLE):
-# on the cluster they name nothing, or override the cluster's own access.
-S3_VARIABLES = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_DEFAULT_REGION",
-    "AWS_REGION",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    # S3-compatible stores (MinIO, Ceph, moto) may not take the AWS SDK's default
-    # aws-chunked uploads with trailing checksums; "when_required" turns them off.
-    "AWS_REQUEST_CHECKSUM_CALCULATION",
-    "AWS_RESPONSE_CHECKSUM_VALIDATION",
-)
-
-
-def storage_env_vars() -> dict[str, str]:
-    """The S3 variables set in this (driver) process, for workers and Tune trials.
-
-    On a running cluster, workers do not see the driver's environment, yet they read and
-    write the run's storage (an S3 endpoint and its credentials, which pyarrow reads from
-    these variables). Only the variables that are set travel, through Ray's runtime env,
-    and only those of ``S3_VARIABLES``: never a path or profile of this machine.
-    """
-    return {name: os.environ[name] for name in S3_VARIABLES if name in os.environ}
+def variables_set(names: Iterable[str]) -> dict[str, str]:
+    """Those of the variables ``names`` that are set in this process, with their values
+    (``planning.store_variables`` decides which a run's processes get)."""
+    return {name: os.environ[name] for name in names if name in os.environ}

@@ -4,7 +4,11 @@ filesystem too) or a URI pyarrow resolves (``s3://``, ``gs://``, ``hdfs://``, ..
 S3 endpoints and credentials come only from the standard AWS variables
 (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...), which pyarrow reads itself. A URI that
 carries credentials (``s3://KEY:SECRET@bucket``) is refused, and shown only redacted: a URI
-ends up in messages, logs, configs and summaries that others read.
+ends up in messages, logs, configs and summaries that others read. The config holds the
+same rule for every key of it (``config.base.refuse_credentials``).
+
+A file written here gets the mode a plain ``open()`` gets under the user's umask, so that a
+team sharing a cache or a run directory reads each other's files as the umask allows.
 
 What a bucket holds is data, not a promise: a key is materialised locally only if every
 part of it is a plain name, so no key can write outside the folder it is downloaded to.
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -25,7 +29,6 @@ import pyarrow.fs as pafs
 from raytrain_app.errors import BadInputError, first_line
 
 # A scheme of two or more letters, so that a Windows drive (C:\runs) stays a path.
-# A scheme of two or more letters, so that a Windows drive (C:\\runs) stays a path.
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
@@ -60,12 +63,36 @@ def redact_credentials(text: str) -> str:
     return _CREDENTIALS.sub(r"\g<scheme>***@", text)
 
 
-def _credentials_error(text: str, key: str) -> BadInputError:
-    return BadInputError(
-        f"{key}={redact_credentials(text)!r} carries credentials in the URI, where logs and "
-        f"run files would show them; give the URI without them and pass the credentials "
-        f"through the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3://)"
+# Where each kind of URI's credentials come from instead: the variables its client reads.
+_CREDENTIAL_VARIABLES = {
+    "s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS",
+    "gcs": "GOOGLE_APPLICATION_CREDENTIALS",
+    "postgresql": "PGUSER and PGPASSWORD",  # an MLflow database; libpq reads them
+    "postgres": "PGUSER and PGPASSWORD",
+    "hdfs": "HADOOP_USER_NAME",
+    "viewfs": "HADOOP_USER_NAME",
+}
+
+
+def credentials_advice(text: str, variables: str | None = None) -> str:
+    """Why a URI with credentials is refused and where they go instead: ``variables``, or
+    those that the client of the URI's scheme reads."""
+    scheme = (uri_scheme(text) or "").split("+")[0]  # postgresql+psycopg2://
+    variables = variables or _CREDENTIAL_VARIABLES.get(scheme)
+    instead = (
+        f"set {variables} in the environment instead"
+        if variables
+        else "let the code using it read them from the environment instead"
     )
+    return (
+        "the URI carries credentials, which config.yaml, checkpoints, logs and messages "
+        f"would show; give it without them and {instead}"
+    )
+
+
+def _credentials_error(text: str, key: str) -> BadInputError:
+    return BadInputError(f"{key}={redact_credentials(text)!r}: {credentials_advice(text)}")
 
 
 def _bad_uri(text: str, key: str, reason: str) -> BadInputError:
@@ -224,14 +251,16 @@ class StorageLocation:
                 stream.write(data)
             return
         target = self.local_path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        fd, tmp = temporary_file(target)
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
             os.replace(tmp, target)
+        except PermissionError:  # the folder lets us create a file, not replace another's
+            tmp.unlink(missing_ok=True)
+            raise _not_writable(target) from None
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
 
     def write_text(self, text: str) -> None:
@@ -239,14 +268,19 @@ class StorageLocation:
 
     def upload(self, source: Path) -> None:
         """Copy the local file or directory ``source`` (its contents) to this location."""
-        if self.is_local:
-            self.local_path.parent.mkdir(parents=True, exist_ok=True)
-        pafs.copy_files(
-            str(source),
-            self.path,
-            source_filesystem=pafs.LocalFileSystem(),
-            destination_filesystem=self.filesystem,
-        )
+        try:
+            if self.is_local:
+                self.local_path.parent.mkdir(parents=True, exist_ok=True)
+            pafs.copy_files(
+                str(source),
+                self.path,
+                source_filesystem=pafs.LocalFileSystem(),
+                destination_filesystem=self.filesystem,
+            )
+        except PermissionError:
+            if not self.is_local:  # a store's refusal: its own message says why
+                raise
+            raise _not_writable(self.local_path) from None
 
     def download(self, directory: Path) -> Path:
         """Copy this file, or this directory's contents, into the local ``directory``.
@@ -300,6 +334,46 @@ class StorageLocation:
             self.filesystem.delete_dir(self.path)
         elif kind != pafs.FileType.NotFound:
             self.filesystem.delete_file(self.path)
+
+
+def temporary_file(target: Path) -> tuple[int, Path]:
+    """A new, empty file beside ``target`` (its folder made if missing), open for writing,
+    to be renamed onto ``target``: ``tempfile.mkstemp`` without its fixed 0600 mode.
+
+    The file gets what a plain ``open()`` would give it (0666 less the umask, and a
+    folder's default ACL), so a team sharing the folder reads it when the user's umask
+    says so; the user's umask 077 still keeps it to themselves.
+
+    Returns:
+        The open file descriptor and the file's path.
+
+    Raises:
+        BadInputError: this user may not create files in that folder.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC  # O_EXCL: never via a link
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+            try:
+                return os.open(tmp, flags, 0o666), tmp
+            except FileExistsError:  # another writer's temporary file, by a 2**-48 chance
+                continue
+    except PermissionError:
+        raise _not_writable(target) from None
+
+
+def _not_writable(target: Path) -> BadInputError:
+    """A write refused by the filesystem's permissions, naming the folder that refused it
+    (the nearest that exists) and the way out."""
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return BadInputError(
+        f"cannot write {target}: this user (uid {os.geteuid()}) may not write in {folder}; "
+        f"give it write access there (a folder a team shares: a common group, chmod g+ws, "
+        f"and umask 002) or point the run at a folder it can write"
+    )
 
 
 def _check_names(uri: str, key: str, parts: list[str]) -> None:

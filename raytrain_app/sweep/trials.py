@@ -109,8 +109,9 @@ def run_trial(
 
     Tune reuses a trial's process for later trials (``reuse_actors``): nothing here or in
     the loop keeps state between trials (threads, seeds and logging are set per trial).
-    ``storage_env`` is the driver's AWS_* variables: a trial on a running cluster does not
-    see the driver's environment, and reads and writes the run's storage with them.
+    ``storage_env`` is the driver's variables for the sweep's stores (``storage_env_vars``:
+    S3's when a location is in S3): a trial on a running cluster does not see the driver's
+    environment, and reads and writes the run's storage with them.
     ``mlflow_store``: the MLflow file store the sweep's trials share, if any.
     """
     os.environ.update(storage_env)

@@ -19,8 +19,9 @@ from raytrain_app.checkpoint.ranking import checkpoint_retention
 from raytrain_app.config import ConfigError, RaytrainConfig, config_to_dict
 from raytrain_app.driver.run_directory import RunDirectory
 from raytrain_app.planning.choices import choose_use_gpu
-from raytrain_app.planning.environment import Environment, storage_env_vars
+from raytrain_app.planning.environment import Environment
 from raytrain_app.planning.rules import make_plan
+from raytrain_app.planning.store_variables import storage_env_vars
 from raytrain_app.sweep.restore_trust import check_restorable
 from raytrain_app.sweep.search_space import build_search_space
 from raytrain_app.sweep.trials import (
@@ -102,7 +103,7 @@ def build_tuner(
                 env=env,
                 use_gpu=use_gpu,
                 run_dir=run_dir.location.uri,
-                storage_env=storage_env_vars(),
+                storage_env=storage_env_vars(cfg),
                 mlflow_store=prepare_sweep_tracking(cfg, run_dir.root if local else None),
             )
         ),

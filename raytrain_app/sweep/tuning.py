@@ -18,7 +18,8 @@ from typing import Any
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.driver.launch import Command, Launch
 from raytrain_app.driver.ray_datasets import load_data_splits
-from raytrain_app.planning.environment import Environment, storage_env_vars
+from raytrain_app.planning.environment import Environment
+from raytrain_app.planning.store_variables import storage_env_vars
 from raytrain_app.sweep.results import TuneResult, record_sweep
 from raytrain_app.sweep.tuner import build_tuner, check_sweep, fit_noting_interrupt
 from raytrain_app.workloads import prepare_data
@@ -61,7 +62,7 @@ def _prepare_data_once(launch: Launch) -> None:
     find it cached, unless their sampled data.params differ (each prepares its own, once)."""
     cfg = launch.cfg
     data_ref = prepare_data(
-        cfg.data, launch.run_dir.at("data"), cfg.experiment.seed, task_env=storage_env_vars()
+        cfg.data, launch.run_dir.at("data"), cfg.experiment.seed, task_env=storage_env_vars(cfg)
     )
     if cfg.data.target:  # a factory returning Ray Datasets is refused here, not per trial
         load_data_splits(data_ref, cfg.experiment.seed, cfg.train.global_batch_size, "tune")

@@ -20,7 +20,8 @@ import raytrain_app as rt
 from raytrain_app.data import stream_prepare
 from raytrain_app.data.stream_prepare import prepare_stream
 from raytrain_app.errors import BadInputError
-from raytrain_app.planning.environment import storage_env_vars
+from raytrain_app.planning.environment import variables_set
+from raytrain_app.planning.store_variables import S3_VARIABLES
 from raytrain_app.predict import predict
 from raytrain_app.storage import StorageLocation
 from raytrain_app.testing.s3_server import s3_for_this_process
@@ -40,7 +41,7 @@ def prepare(path, cache, *, in_process: bool = False, **params):
             {**PARAMS, **params},
             cache,
             rows_per_group=ROWS_PER_GROUP,
-            task_env=storage_env_vars(),
+            task_env=variables_set(S3_VARIABLES),
         )
 
 

@@ -140,8 +140,9 @@ def test_a_named_variable_goes_with_the_job(cluster, capsys):
     [
         ["--set", "experiment.output_dir=s3://bucket/runs"],
         ["--set", "data.path=s3://bucket/data/*.parquet", "--set", "data.params={}"],
+        ["--set", "data.cache_dir=s3://bucket/cache"],  # issue 37: was sent nothing
     ],
-    ids=["run_directory", "data"],
+    ids=["run_directory", "data", "cache"],
 )
 def test_a_run_in_s3_gets_the_s3_credentials_and_nothing_of_this_machine(cluster, capsys, where):
     logged = submit(capsys, "--", "train", *where)
@@ -160,6 +161,23 @@ def test_a_run_in_another_store_gets_no_credentials_and_says_how_to_send_some(cl
     assert job["runtime_env"]["env_vars"] == {}
     (line,) = [line for line in logged.splitlines() if "experiment.output_dir" in line]
     assert "Google Cloud Storage" in line and "--env-var NAME" in line
+
+
+def test_a_config_with_credentials_in_a_uri_is_refused_before_anything_is_sent(cluster, capsys):
+    # issue 37: the job's entrypoint (its metadata) and the run's files would hold them
+    uri = "https://me:hunter2@mlflow.example"
+    argv = [
+        "train",
+        "--set",
+        "tracking.mlflow=true",
+        "--set",
+        f"tracking.mlflow_tracking_uri={uri}",
+    ]
+    assert cli.main(["submit", "--address", "http://x:1", "--no-wait", "--", *argv]) == 2
+    line = one_error_line(capsys)
+    assert "'tracking.mlflow_tracking_uri': 'https://***@mlflow.example'" in line
+    assert "MLFLOW_TRACKING_PASSWORD" in line and "hunter2" not in line
+    assert cluster.jobs == []
 
 
 @pytest.mark.parametrize(

@@ -505,21 +505,51 @@ def test_batch_and_worker_counts_are_bounded(item, shown, allowed):
 
 
 @pytest.mark.parametrize(
-    ("key", "uri", "redacted"),
+    ("key", "uri", "redacted", "variable"),
     [
-        ("experiment.output_dir", "s3://AKIAEXAMPLE:hunter2zz@bucket/runs", "s3://***@bucket/runs"),
+        (
+            "experiment.output_dir",
+            "s3://AKIAEXAMPLE:hunter2zz@bucket/runs",
+            "s3://***@bucket/runs",
+            "AWS_SECRET_ACCESS_KEY",
+        ),
         (
             "data.path",
             "s3://AKIAEXAMPLE:hunter2/zz+x@bucket/d.parquet",
             "s3://***@bucket/d.parquet",
+            "AWS_SECRET_ACCESS_KEY",
         ),
-        ("experiment.output_dir", "gs://token@bucket/runs", "gs://***@bucket/runs"),
+        (
+            "data.cache_dir",
+            "gs://token@bucket/cache",
+            "gs://***@bucket/cache",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+        ),
+        # issue 37: written verbatim into config.yaml and every checkpoint's meta.json
+        (
+            "tracking.mlflow_tracking_uri",
+            "https://me:hunter2@mlflow.example:5000",
+            "https://***@mlflow.example:5000",
+            "MLFLOW_TRACKING_PASSWORD",
+        ),
+        (
+            "tracking.mlflow_tracking_uri",
+            "https://token@mlflow.example",
+            "https://***@mlflow.example",
+            "MLFLOW_TRACKING_TOKEN",
+        ),
+        (
+            "tracking.mlflow_tracking_uri",
+            "postgresql+psycopg2://me:hunter2@db.example/mlflow",
+            "postgresql+psycopg2://***@db.example/mlflow",
+            "PGPASSWORD",
+        ),
     ],
 )
-def test_a_uri_with_credentials_is_refused_without_showing_them(key, uri, redacted):
+def test_a_uri_with_credentials_is_refused_without_showing_them(key, uri, redacted, variable):
     for message in (config_error({}, [f"{key}={uri}"]), config_error(_nested(key, uri))):
         assert message.startswith(f"invalid value for '{key}': '{redacted}' (the URI carries")
-        assert "AWS_ACCESS_KEY_ID" in message
+        assert variable in message and "in the environment instead)" in message
         assert "hunter2" not in message and "AKIAEXAMPLE" not in message and "token" not in message
 
 

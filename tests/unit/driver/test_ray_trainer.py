@@ -130,7 +130,6 @@ def controller_start(monkeypatch):
         raise _Captured(kwargs, set(propagated))
 
     monkeypatch.setattr(TorchTrainer, "_initialize_and_run_controller", start)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://s3.example:9000")
 
 
 def _started_with(trainer: RaytrainTorchTrainer, policy) -> tuple[object, set[str]]:
@@ -142,7 +141,8 @@ def _started_with(trainer: RaytrainTorchTrainer, policy) -> tuple[object, set[st
 
 def test_the_controller_gets_raytrains_policies_and_the_storage_variables(controller_start):
     fixed = FixedScalingPolicy(ray.train.ScalingConfig(num_workers=2))
-    policy, propagated = _started_with(_trainer(embedded_ray=True), fixed)
+    storage_env = {"AWS_ENDPOINT_URL": "http://s3.example:9000"}  # planning.store_variables'
+    policy, propagated = _started_with(_trainer(True, storage_env=storage_env), fixed)
     assert type(policy) is _FixedScalingWithoutAutoscaler and "AWS_ENDPOINT_URL" in propagated
     elastic = ElasticScalingPolicy(ray.train.ScalingConfig(num_workers=(1, 2)))
     policy, _ = _started_with(_trainer(embedded_ray=False), elastic)

@@ -182,22 +182,3 @@ def test_dashboard_binds_to_localhost_unless_the_user_opts_in():
     assert detect_environment({"RAYTRAIN_DASHBOARD_HOST": ""}).dashboard_host == "127.0.0.1"
     opted_in = detect_environment({"RAYTRAIN_DASHBOARD_HOST": "0.0.0.0"})
     assert opted_in.dashboard_host == "0.0.0.0"
-
-
-def test_workers_and_trials_get_the_s3_credentials_never_this_machines_paths(monkeypatch):
-    """What the driver hands workers and Tune trials for the run's storage: the variables
-    that authenticate and locate S3, not a profile or file of this machine."""
-    from raytrain_app.planning.environment import storage_env_vars
-
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
-        monkeypatch.setenv(name, f"{name.lower()}-value")
-    for name in ("AWS_PROFILE", "AWS_CA_BUNDLE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
-        monkeypatch.setenv(name, "/home/me/.aws/x")
-    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
-
-    assert set(storage_env_vars()) >= {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-    assert "AWS_ENDPOINT_URL" in storage_env_vars()
-    assert not {"AWS_PROFILE", "AWS_CA_BUNDLE", "AWS_SHARED_CREDENTIALS_FILE"} & set(
-        storage_env_vars()
-    )
-    assert "AWS_CONFIG_FILE" not in storage_env_vars()

@@ -242,7 +242,7 @@ def test_a_uri_with_credentials_is_refused_without_echoing_them(uri, key):
     with pytest.raises(BadInputError) as info:
         StorageLocation.parse(uri, key)
     message = str(info.value)
-    assert message.startswith(f"{key}='s3://***@unit/runs' carries credentials in the URI")
+    assert message.startswith(f"{key}='s3://***@unit/runs': the URI carries credentials")
     assert "AWS_ACCESS_KEY_ID" in message and "\n" not in message
     assert "AKIAEXAMPLE" not in message and "wJalr" not in message
 
