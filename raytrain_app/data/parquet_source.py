@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from raytrain_app.data.extension_columns import refuse_extension_columns
 from raytrain_app.data.missing import refuse_missing
 from raytrain_app.errors import BadInputError, first_line
 from raytrain_app.storage import StorageLocation, is_uri
@@ -114,6 +115,7 @@ def check_files(
                 f"Column(s) {missing} not found in data file '{file}'; available columns: "
                 f"{schema.names}; fix the column names in data.params or the file."
             )
+        refuse_extension_columns(file, schema, columns)  # before any row is read
         for name in numeric:
             column_type = schema.field(name).type
             if not (pa.types.is_integer(column_type) or pa.types.is_floating(column_type)):

@@ -88,7 +88,12 @@ class PreparedFiles:
                 f"'{self.folder}' so that the data is prepared again."
             ) from None
         begin, end = group_rows(self.manifest, entry, group)
-        if table.num_rows != end - begin or table.num_columns != self.manifest.num_columns:
+        # The store writes float32 columns only: another type means the file was replaced.
+        if (
+            table.num_rows != end - begin
+            or table.num_columns != self.manifest.num_columns
+            or any(column.type != pa.float32() for column in table.columns)
+        ):
             raise BadInputError(
                 f"Prepared data file '{location}' does not match its manifest (row group "
                 f"{group}); delete '{self.folder}' so that the data is prepared again."
