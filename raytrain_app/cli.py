@@ -29,7 +29,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from raytrain_app.driver.data_plan import data_plan, data_plan_line
     from raytrain_app.driver.ray_connection import connected_plan
     from raytrain_app.planning.plan_text import format_plan
+    from raytrain_app.workloads import resolve_streaming
 
+    cfg = resolve_streaming(cfg)  # streaming data limits the workers auto picks
     env, plan = connected_plan(cfg, args.address)
     data = data_plan(cfg, plan)
     if args.json:

@@ -1,9 +1,10 @@
 """The order streaming windows train in: a pure function of (seed, epoch, manifest, lanes).
 
-The training windows form C canonical lanes (C divides the global batch; every allowed
-world size divides C). Each epoch a seeded permutation of the chunks lays their windows
-end to end; lane ``l`` is the ``l``-th of C equal consecutive segments of that sequence, its
-windows shuffled within blocks of ``block`` positions. Global step ``k`` takes positions
+The training windows form C canonical lanes (C divides the global batch, and every world
+size the run may take divides C: ``planning.lanes`` chooses it). Each epoch a seeded
+permutation of the chunks lays their windows end to end; lane ``l`` is the ``l``-th of C
+equal consecutive segments of that sequence, its windows shuffled within blocks of
+``block`` positions. Global step ``k`` takes positions
 ``[k * s, (k + 1) * s)`` of every lane (``s = global batch / C``) and rank ``r`` of ``W``
 owns lanes ``r, r + W, ...``. So:
 
@@ -21,59 +22,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 import numpy as np
 
 from raytrain_app.data.stream_manifest import ChunkTable, StreamManifest
 from raytrain_app.errors import BadInputError
 
-# Most lanes: each is one block of windows held (and one prefetched) per rank that owns
-# it, so lanes bound a rank's memory; 256 lets a run grow to 256 workers.
-MAX_LANES = 256
 # Rows whose windows a lane shuffles together (one row group's worth): with the next block
 # read ahead, a rank holds about 2 * (BLOCK_ROWS + a row group) rows per lane it reads.
 BLOCK_ROWS = 4096
 
 
-def lane_count(global_batch: int, world_sizes: tuple[int, ...]) -> int:
-    """C: the largest divisor of the global batch up to ``MAX_LANES``. A function of the
-    batch alone, so that a resume at another world size keeps the order; every world size
-    the run may take must divide it."""
-    lanes = next(d for d in range(min(global_batch, MAX_LANES), 0, -1) if global_batch % d == 0)
-    misfits = [size for size in world_sizes if lanes % size]
-    if misfits:
-        fitting = [d for d in range(1, lanes + 1) if lanes % d == 0]
-        raise BadInputError(
-            f"Streaming data splits train.global_batch_size={global_batch} into {lanes} lanes, "
-            f"which {', '.join(map(str, misfits))} worker(s) cannot share equally; set "
-            f"scaling.num_workers to one of {', '.join(map(str, fitting))} or choose a global "
-            f"batch with more factors of two."
-        )
-    return lanes
-
-
-def allowed_world_sizes(
-    global_batch: int, world_size: int, worker_range: tuple[int, int] | None
-) -> tuple[int, ...]:
-    """The world sizes a run may train at: its own, and those of its elastic range that
-    split the global batch."""
-    sizes = range(worker_range[0], worker_range[1] + 1) if worker_range else ()
-    return tuple(sorted(s for s in {*sizes, world_size} if global_batch % s == 0))
-
-
-def stream_steps_per_epoch(manifest: StreamManifest, plan: Any) -> int:
-    """Optimizer steps per epoch of ``manifest``'s training windows under ``plan`` (a
-    ``TrainingPlan``); refuses data too small for one step."""
-    batch = plan.effective_batch_size
-    lanes = lane_count(batch, allowed_world_sizes(batch, plan.world_size, plan.worker_range))
+def stream_steps_per_epoch(manifest: StreamManifest, global_batch: int, lanes: int) -> int:
+    """Optimizer steps per epoch of ``manifest``'s training windows in ``lanes`` lanes
+    (``planning.lanes``); refuses data too small for one step."""
     windows = manifest.chunks("train").num_windows
-    steps = windows // lanes // (batch // lanes)
+    steps = windows // lanes // (global_batch // lanes)
     if steps < 1:
         raise BadInputError(
             f"the streaming training data has {windows} windows, too few for one step of "
-            f"train.global_batch_size={batch} over {lanes} lanes (each needs "
-            f"{batch // lanes}); lower train.global_batch_size or use more data"
+            f"train.global_batch_size={global_batch} over {lanes} lanes (each needs "
+            f"{global_batch // lanes}); lower train.global_batch_size or use more data"
         )
     return steps
 
@@ -141,12 +110,11 @@ class EpochOrder:
         begin = step * self.per_lane_step - self.block_of_step(step) * self.block
         return slice(begin, begin + self.per_lane_step)
 
-    def step_ids(self, step: int, lanes: range | list[int]) -> np.ndarray:
-        """The window ids ``step`` takes from ``lanes``, lane after lane (for tests and
-        for checking; the reader takes them from blocks it already holds)."""
-        block, part = self.block_of_step(step), self.step_slice(step)
+    def block_ids(self, block: int, lanes: range | list[int]) -> np.ndarray:
+        """The window ids of block ``block`` of ``lanes``, lane after lane, in training
+        order: what a rank reading ``lanes`` holds of that block."""
         return np.concatenate(
-            [self.sequence_ids(self.block_positions(lane, block)[part]) for lane in lanes]
+            [self.sequence_ids(self.block_positions(lane, block)) for lane in lanes]
         )
 
 

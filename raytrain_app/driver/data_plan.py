@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from raytrain_app.config import RaytrainConfig
-from raytrain_app.data.stream_order import allowed_world_sizes, lane_count, stream_steps_per_epoch
+from raytrain_app.data.stream_order import stream_steps_per_epoch
 from raytrain_app.data.stream_prepare import locate_store
 from raytrain_app.driver.run_directory import RunDirectory
+from raytrain_app.planning.lanes import run_lanes
 from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.worker.stream_batches import read_ahead_bytes
 from raytrain_app.workloads import resolve_streaming, stream_cache_root
@@ -22,7 +23,7 @@ def data_plan(cfg: RaytrainConfig, plan: TrainingPlan) -> dict[str, Any] | None:
     if data.target or data.name == "synthetic_images" or not data.streaming:
         return None if not data.path else {"streaming": False}
     batch = plan.effective_batch_size
-    lanes = lane_count(batch, allowed_world_sizes(batch, plan.world_size, plan.worker_range))
+    lanes = run_lanes(batch, plan.world_size, plan.worker_range)
     where = dict(data.preprocess_resources) or "any node"
     out: dict[str, Any] = {"streaming": True, "lanes": lanes, "preprocess_on": where}
     if not data.path:  # the synthetic wind data is generated when the run starts
@@ -45,7 +46,7 @@ def data_plan(cfg: RaytrainConfig, plan: TrainingPlan) -> dict[str, Any] | None:
             prepared=True,
             train_windows=manifest.chunks("train").num_windows,
             val_windows=manifest.chunks("val").num_windows,
-            steps_per_epoch=stream_steps_per_epoch(manifest, plan),
+            steps_per_epoch=stream_steps_per_epoch(manifest, batch, lanes),
         )
     else:
         out["prepared"] = False

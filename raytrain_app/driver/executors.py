@@ -19,6 +19,7 @@ from raytrain_app.driver.launch import Launch
 from raytrain_app.driver.local_run import run_local
 from raytrain_app.driver.preflight import preflight
 from raytrain_app.driver.ray_datasets import RayDataInputs
+from raytrain_app.driver.stream_lanes import stream_lanes
 from raytrain_app.driver.trainer import run_trainer
 from raytrain_app.driver.worker_task import worker_task
 from raytrain_app.worker.loop import WorkerTask
@@ -33,7 +34,10 @@ def run_training(launch: Launch, progress: bool) -> tuple[ray.train.Result, str 
     data = ResumedData.checked(
         resolved.data, run_dir.at("checkpoints"), run_dir.at("data"), launch.resuming
     )
-    data_ref, ray_inputs = preflight(resolved, run_dir, launch.plan, launch.local)
+    # Before the prepare pass too: a resume keeps its checkpoints' lanes, or is refused.
+    checkpoints = run_dir.at("checkpoints") if launch.resuming else None
+    lanes = stream_lanes(resolved, launch.plan, checkpoints)
+    data_ref, ray_inputs = preflight(resolved, run_dir, launch.plan, launch.local, lanes)
     run_dir.write_config(resolved)
     how = " locally (Ray Train's local mode)" if launch.local else ""
     started = "resuming" if launch.resuming else "starting"
@@ -45,6 +49,7 @@ def run_training(launch: Launch, progress: bool) -> tuple[ray.train.Result, str 
         run_dir.location.uri,
         ray_data=ray_inputs.plan if ray_inputs else None,
         data_identity=data.prepared(data_ref),
+        stream_lanes=lanes,
     )
     if launch.local:
         return run_local(task, resolved, run_dir.at("checkpoints"))

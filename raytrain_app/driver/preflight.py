@@ -18,17 +18,23 @@ from raytrain_app.driver.ray_datasets import RayDataInputs, load_data_splits
 from raytrain_app.driver.run_directory import RunDirectory
 from raytrain_app.errors import BadInputError, first_line
 from raytrain_app.planning.batch import steps_per_epoch
+from raytrain_app.planning.environment import storage_env_vars
+from raytrain_app.planning.lanes import run_lanes
 from raytrain_app.planning.recipe import check_schedule_length
 from raytrain_app.planning.rules import TrainingPlan
-from raytrain_app.planning.store_variables import storage_env_vars
 from raytrain_app.worker.recipe import check_hook_alone
 from raytrain_app.workloads import FactoryRef, build_model, model_factory, prepare_data
 
 
 def preflight(
-    cfg: RaytrainConfig, run_dir: RunDirectory, plan: TrainingPlan, local: bool = False
+    cfg: RaytrainConfig,
+    run_dir: RunDirectory,
+    plan: TrainingPlan,
+    local: bool = False,
+    stream_lanes: int | None = None,
 ) -> tuple[FactoryRef, RayDataInputs | None]:
-    """Prepare the data and build data and model once on the driver.
+    """Prepare the data and build data and model once on the driver; ``stream_lanes``:
+    streaming data's lane count (``driver.stream_lanes``; None: chosen from the plan).
 
     A data factory's Ray Datasets are readied here for Ray Train (``driver.ray_datasets``).
 
@@ -36,7 +42,7 @@ def preflight(
         The prepared data's factory, and the Ray Datasets' inputs if it returns some.
     """
     data_ref = prepare_data(
-        cfg.data, run_dir.at("data"), cfg.experiment.seed, task_env=storage_env_vars(cfg)
+        cfg.data, run_dir.at("data"), cfg.experiment.seed, task_env=storage_env_vars()
     )
     command = "local" if local else "train"
     loaded = _checked(
@@ -57,7 +63,9 @@ def preflight(
     steps = None
     if isinstance(splits, StreamSplits):  # the manifest tells the sizes; read two windows
         check_monitor_on_one_batch(cfg.train.monitor, spec, splits.preview("val", 2))
-        steps = stream_steps_per_epoch(splits.manifest, plan)
+        batch = plan.effective_batch_size
+        lanes = stream_lanes or run_lanes(batch, plan.world_size, plan.worker_range)
+        steps = stream_steps_per_epoch(splits.manifest, batch, lanes)
     else:
         check_monitor_on_one_batch(cfg.train.monitor, spec, splits.val, splits.collate)
         if not ray_inputs:  # Ray Datasets were counted when readied

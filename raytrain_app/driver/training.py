@@ -59,8 +59,9 @@ def plan_training(cfg: RaytrainConfig, env: Environment) -> tuple[TrainingPlan, 
     """The run's plan against ``env``, and the config with the plan's choices and whether
     the data streams: a resume must not switch between streaming and loading the data
     (their orders differ)."""
+    cfg = resolve_streaming(cfg)  # first: streaming data limits the workers auto picks
     plan = make_plan(cfg, env)
-    return plan, resolve_streaming(resolve_config(cfg, plan))
+    return plan, resolve_config(cfg, plan)
 
 
 TRAIN = Command("train", plan_training, resolves_config=True, ray_train=True)

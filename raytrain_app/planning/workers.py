@@ -8,13 +8,13 @@ rest of ``planning``.
 from __future__ import annotations
 
 import logging
-import math
 
 from raytrain_app.config import RaytrainConfig, ScalingConfig
 from raytrain_app.config.base import MAX_BATCH_SIZE
 from raytrain_app.planning.batch import PlanError, nearest_multiples
 from raytrain_app.planning.environment import Environment
 from raytrain_app.planning.gpus import gpu_worker_slots
+from raytrain_app.planning.lanes import choose_lanes, lcm_at_most
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,9 @@ def worker_range(cfg: RaytrainConfig) -> tuple[int, int] | None:
 
 
 def choose_world_size(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> int:
-    """``scaling.num_workers``, or for ``auto`` the most devices that split the batch evenly;
-    for an elastic ``[min, max]``, max: the size a run starts with when there is room."""
+    """``scaling.num_workers``, or for ``auto`` the most devices that split the batch evenly
+    (and, for streaming data, that its lanes serve); for an elastic ``[min, max]``, max: the
+    size a run starts with when there is room."""
     requested = cfg.scaling.num_workers
     devices = available_devices(env, use_gpu, cfg.scaling)
     if cfg.distributed.strategy == "single":
@@ -51,7 +52,13 @@ def choose_world_size(cfg: RaytrainConfig, env: Environment, use_gpu: bool) -> i
     if requested != "auto":
         return requested
     global_batch = cfg.train.global_batch_size
-    return max(w for w in range(1, max(devices, 1) + 1) if global_batch % w == 0)
+    # data.streaming is decided (true or false) before a run plans (driver.training).
+    streams = cfg.data.streaming is True
+    return max(
+        w
+        for w in range(1, max(devices, 1) + 1)
+        if global_batch % w == 0 and (not streams or choose_lanes(global_batch, (w,)))
+    )
 
 
 def check_elastic_range(cfg: RaytrainConfig, low: int, high: int) -> None:
@@ -74,7 +81,7 @@ def check_elastic_range(cfg: RaytrainConfig, low: int, high: int) -> None:
     bad = [w for w in range(low, high + 1) if global_batch % w]
     if not bad:
         return
-    lcm = _lcm_at_most(range(low, high + 1), MAX_BATCH_SIZE)
+    lcm = lcm_at_most(range(low, high + 1), MAX_BATCH_SIZE)
     ranges = _valid_subranges(global_batch, low, high)
     narrower = f"scaling.num_workers={list(ranges[0])}" if ranges else "a fixed scaling.num_workers"
     if lcm is None:
@@ -88,17 +95,6 @@ def check_elastic_range(cfg: RaytrainConfig, low: int, high: int) -> None:
         f"{_either(bad)} workers, which scaling.num_workers=[{low}, {high}] "
         f"allows; narrow it to {narrower}{other}"
     )
-
-
-def _lcm_at_most(values: range, limit: int) -> int | None:
-    """The least common multiple of ``values``, or None once it exceeds ``limit``: that of
-    1..100000 has 43 000 digits, slow to compute and too long to print."""
-    lcm = 1
-    for value in values:
-        lcm = math.lcm(lcm, value)
-        if lcm > limit:
-            return None
-    return lcm
 
 
 def _either(values: list[int], shown: int = 8) -> str:

@@ -43,11 +43,19 @@ def build_epoch_data(
     rank: int,
     world_size: int,
     prepare: Callable[[Any], Any],
+    stream_lanes: int | None = None,
 ) -> EpochData:
-    """This rank's ``EpochData``; ``prepare`` is the session's ``prepare_loader``."""
+    """This rank's ``EpochData``; ``prepare`` is the session's ``prepare_loader``;
+    ``stream_lanes``: streaming data's lane count, as the driver chose it."""
     if isinstance(splits, StreamSplits):
         return StreamBatches(
-            splits.files(), plan, seed=seed, rank=rank, world_size=world_size, prepare=prepare
+            splits.files(),
+            plan,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            prepare=prepare,
+            lanes=stream_lanes,
         )
     return build_worker_loaders(
         splits.train,

@@ -66,6 +66,7 @@ class WorkerTask:
     trial: SweepTrial | None = None  # a Tune trial: its sweep, for the trackers
     ray_data: RayDataPlan | None = None  # a data factory's Ray Datasets (driver.ray_datasets)
     data_identity: dict[str, Any] | None = None  # data.path's files (checkpoint.data_identity)
+    stream_lanes: int | None = None  # streaming lanes (driver.stream_lanes); None: choose them
 
 
 def train_worker(task: WorkerTask) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from raytrain_app.checkpoint.sharded import is_sharded
 from raytrain_app.checkpoint.store import checkpoint_name
 from raytrain_app.checkpoint.train_state import LoopState, Trainables, rng_state, save_resumable
 from raytrain_app.config import TrainConfig
+from raytrain_app.planning.lanes import STREAM_LANES_KEY
 from raytrain_app.worker.global_metrics import EpochProgress, gather
 from raytrain_app.worker.rank_zero import is_rank_zero
 from raytrain_app.worker.session import WorkerSession, scratch_dir
@@ -64,4 +65,6 @@ def checkpoint_meta(task: Any, data_info: dict[str, Any]) -> dict[str, Any]:
     }
     if task.data_identity is not None:
         meta[IDENTITY_KEY] = task.data_identity
+    if task.stream_lanes is not None:  # a resume continues the same order (planning.lanes)
+        meta[STREAM_LANES_KEY] = task.stream_lanes
     return meta

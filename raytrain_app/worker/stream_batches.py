@@ -24,8 +24,6 @@ import numpy as np
 from raytrain_app.data.stream_order import (
     BLOCK_ROWS,
     EpochOrder,
-    allowed_world_sizes,
-    lane_count,
     rank_lanes,
     stream_steps_per_epoch,
 )
@@ -36,6 +34,7 @@ from raytrain_app.data.stream_reader import (
     lane_positions,
     window_batches,
 )
+from raytrain_app.planning.lanes import run_lanes
 from raytrain_app.planning.rules import TrainingPlan
 
 # Threads reading row groups ahead of training: two reads in flight hide the store's
@@ -79,17 +78,19 @@ class StreamBatches:
         rank: int,
         world_size: int,
         prepare: Callable[[Any], Any],
+        lanes: int | None = None,
     ) -> None:
+        """``lanes``: the run's lane count as the driver chose it (a resume: the one its
+        checkpoints record); None: chosen here, from the plan."""
         self.files, self.plan, self.seed = files, plan, seed
         self.rank, self.world_size = rank, world_size
         global_batch = plan.effective_batch_size
-        allowed = allowed_world_sizes(global_batch, world_size, plan.worker_range)
-        self.lanes = lane_count(global_batch, allowed)
+        self.lanes = run_lanes(global_batch, world_size, plan.worker_range, recorded=lanes)
         self.per_lane_step = global_batch // self.lanes
         self.my_lanes = rank_lanes(self.lanes, rank, world_size)
         self.train_samples = files.manifest.chunks("train").num_windows
         self.val_samples = files.manifest.chunks("val").num_windows
-        self.steps_per_epoch = stream_steps_per_epoch(files.manifest, plan)
+        self.steps_per_epoch = stream_steps_per_epoch(files.manifest, global_batch, self.lanes)
         self._prepare = prepare
         self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="raytrain-stream")
         # The block read ahead, keyed (epoch, block): it outlives an epoch's iterator, so
@@ -137,9 +138,7 @@ class StreamBatches:
         return self._order(order.epoch + 1), 0
 
     def _start(self, order: EpochOrder, block: int, held: WindowBlock | None) -> PendingBlock:
-        ids = np.concatenate(
-            [order.sequence_ids(order.block_positions(lane, block)) for lane in self.my_lanes]
-        )
+        ids = order.block_ids(block, self.my_lanes)
         return PendingBlock(self.files, "train", ids, self._pool, held)
 
     def _drop_ahead(self) -> None:

@@ -130,6 +130,7 @@ def _loaders(
         rank=rank,
         world_size=world_size,
         prepare=session.prepare_loader,
+        stream_lanes=task.stream_lanes,
     )
 
 

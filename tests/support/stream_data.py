@@ -10,6 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raytrain_app.data.stream_manifest import StreamManifest, group_rows, split_bounds
+from raytrain_app.data.stream_order import EpochOrder
+from raytrain_app.data.stream_reader import lane_positions
 from raytrain_app.storage import StorageLocation
 
 # Ids whose text order (10 < 2 < 3 < 7) is not their numeric order; lengths that give one
@@ -130,3 +132,10 @@ def prepare_here(path: str, params: dict, cache: Any, **options: Any) -> Any:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(stream_prepare, "_ray_initialized", lambda: False)
         return stream_prepare.prepare_stream(path, params, cache, **options)
+
+
+def step_ids(order: EpochOrder, step: int, lanes: range | list[int]) -> np.ndarray:
+    """The window ids ``step`` takes from ``lanes``, lane after lane: as a rank reading
+    ``lanes`` takes them (``worker.stream_batches``), from the block holding the step."""
+    ids = order.block_ids(order.block_of_step(step), lanes)
+    return ids[lane_positions(len(lanes), len(ids) // len(lanes), order.step_slice(step))]

@@ -5,17 +5,10 @@ epoch, and every lane (so every rank) has the same number of steps."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
+from stream_data import step_ids
 
 from raytrain_app.data.stream_manifest import ChunkTable
-from raytrain_app.data.stream_order import (
-    EpochOrder,
-    allowed_world_sizes,
-    block_windows,
-    lane_count,
-    rank_lanes,
-)
-from raytrain_app.errors import BadInputError
+from raytrain_app.data.stream_order import EpochOrder, block_windows, rank_lanes
 
 
 def _chunks(counts: list[int]) -> ChunkTable:
@@ -30,31 +23,19 @@ def _chunks(counts: list[int]) -> ChunkTable:
 CHUNKS = _chunks([4096, 17, 1, 900, 4096, 4096, 333, 2, 2048, 5000, 64])
 
 
-def test_lanes_are_the_batchs_largest_divisor_up_to_256_and_every_world_size_divides_them():
-    assert lane_count(64, (1, 2, 4)) == 64
-    assert lane_count(96, (1, 2, 3)) == 96
-    assert lane_count(1024, (8,)) == 256
-    assert lane_count(300, (1, 3)) == 150
-    with pytest.raises(BadInputError, match="scaling.num_workers to one of 1, 2, 3, 5"):
-        lane_count(300, (4,))  # 150 lanes: 4 workers would not get equal shares
-    with pytest.raises(BadInputError, match="train.global_batch_size=1024 into 256 lanes"):
-        lane_count(1024, (512,))
-    assert allowed_world_sizes(64, 4, (2, 6)) == (2, 4)  # 3, 5 and 6 do not split 64
-
-
 def test_a_global_step_holds_the_same_windows_for_every_world_size():
     order = EpochOrder(CHUNKS, lanes=8, per_lane_step=4, seed=7, epoch=1)
     for step in (0, 1, order.steps // 2, order.steps - 1):
-        whole = order.step_ids(step, range(8))
+        whole = step_ids(order, step, range(8))
         for world_size in (1, 2, 4, 8):
-            ranks = [order.step_ids(step, rank_lanes(8, r, world_size)) for r in range(world_size)]
+            ranks = [step_ids(order, step, rank_lanes(8, r, world_size)) for r in range(world_size)]
             assert all(len(ids) == 32 // world_size for ids in ranks)  # the same share each
             assert sorted(np.concatenate(ranks).tolist()) == sorted(whole.tolist())
 
 
 def test_an_epoch_trains_each_window_at_most_once_and_drops_less_than_a_lane_remainder():
     order = EpochOrder(CHUNKS, lanes=8, per_lane_step=4, seed=7, epoch=0)
-    seen = np.concatenate([order.step_ids(k, range(8)) for k in range(order.steps)])
+    seen = np.concatenate([step_ids(order, k, range(8)) for k in range(order.steps)])
     assert len(seen) == len(set(seen.tolist())) == order.steps * 32
     assert CHUNKS.num_windows - len(seen) < 8 * 4 + 8  # lane remainders only
     assert seen.min() >= 0 and seen.max() < CHUNKS.num_windows
@@ -63,7 +44,7 @@ def test_an_epoch_trains_each_window_at_most_once_and_drops_less_than_a_lane_rem
 def test_the_order_is_a_pure_function_of_seed_and_epoch():
     def ids(seed: int, epoch: int) -> list[int]:
         order = EpochOrder(CHUNKS, lanes=8, per_lane_step=4, seed=seed, epoch=epoch)
-        return np.concatenate([order.step_ids(k, range(8)) for k in range(5)]).tolist()
+        return np.concatenate([step_ids(order, k, range(8)) for k in range(5)]).tolist()
 
     assert ids(7, 0) == ids(7, 0)
     assert ids(7, 0) != ids(7, 1)
@@ -89,4 +70,4 @@ def test_resuming_at_a_step_needs_only_that_steps_block():
     block = order.block_of_step(step)
     for lane in range(4):
         ids = order.sequence_ids(order.block_positions(lane, block)[order.step_slice(step)])
-        assert ids.tolist() == order.step_ids(step, [lane]).tolist()
+        assert ids.tolist() == step_ids(order, step, [lane]).tolist()

@@ -25,7 +25,14 @@ import numpy as np
 import pytest
 import torch
 from environments import make_env
-from stream_data import PARAMS, prepare_here, series_table, stream_run_config, write_files
+from stream_data import (
+    PARAMS,
+    prepare_here,
+    series_table,
+    step_ids,
+    stream_run_config,
+    write_files,
+)
 
 from raytrain_app.config import config_from_dict
 from raytrain_app.data.stream_reader import PendingBlock, PreparedFiles, read_windows
@@ -112,7 +119,7 @@ def test_every_step_trains_the_orders_windows_with_the_values_of_a_plain_read(
             for step, (x, y) in enumerate(stream.epoch_batches(epoch)):
                 if step not in checked:
                     continue
-                ids = order.step_ids(step, stream.my_lanes)
+                ids = step_ids(order, step, stream.my_lanes)
                 plain_x, plain_y = read_windows(files, "train", ids).gather(slice(None))
                 assert torch.equal(x, plain_x) and torch.equal(y, plain_y), (epoch, step)
     finally:
@@ -152,7 +159,7 @@ def test_the_next_epochs_first_block_is_read_while_the_epoch_ends(prepared, tmp_
         taker.join(timeout=30)
         files.answering.set()
         assert first, "epoch 1's first step waited for a read"
-        ids = stream._order(1).step_ids(0, stream.my_lanes)
+        ids = step_ids(stream._order(1), 0, stream.my_lanes)
         assert torch.equal(first[0][0], read_windows(files, "train", ids).gather(slice(None))[0])
     finally:
         files.answering.set()
