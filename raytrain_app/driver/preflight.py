@@ -18,10 +18,10 @@ from raytrain_app.driver.ray_datasets import RayDataInputs, load_data_splits
 from raytrain_app.driver.run_directory import RunDirectory
 from raytrain_app.errors import BadInputError, first_line
 from raytrain_app.planning.batch import steps_per_epoch
-from raytrain_app.planning.environment import storage_env_vars
 from raytrain_app.planning.lanes import run_lanes
 from raytrain_app.planning.recipe import check_schedule_length
 from raytrain_app.planning.rules import TrainingPlan
+from raytrain_app.planning.store_variables import storage_env_vars
 from raytrain_app.worker.recipe import check_hook_alone
 from raytrain_app.workloads import FactoryRef, build_model, model_factory, prepare_data
 
@@ -42,7 +42,7 @@ def preflight(
         The prepared data's factory, and the Ray Datasets' inputs if it returns some.
     """
     data_ref = prepare_data(
-        cfg.data, run_dir.at("data"), cfg.experiment.seed, task_env=storage_env_vars()
+        cfg.data, run_dir.at("data"), cfg.experiment.seed, task_env=storage_env_vars(cfg)
     )
     command = "local" if local else "train"
     loaded = _checked(
