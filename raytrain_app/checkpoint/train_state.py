@@ -276,12 +276,10 @@ def _load_plain(
             f"its optimizer state cannot be sharded; resume with the strategy it was "
             f"written with, or start a new run (experiment.name)"
         )
-    t.module.load_state_dict(
-        torch.load(directory / ckpt.MODEL_FILE, map_location=device, weights_only=True)
-    )
+    t.module.load_state_dict(ckpt.load_tensors(directory / ckpt.MODEL_FILE, device))
     ema_file = directory / ckpt.EMA_FILE
     if t.ema is not None and ema_file.is_file():
-        t.ema.module.load_state_dict(torch.load(ema_file, map_location=device, weights_only=True))
+        t.ema.module.load_state_dict(ckpt.load_tensors(ema_file, device))
     t.optimizer.load_state_dict(saved["optimizer"])
 
 

@@ -32,14 +32,28 @@ import pytest
 import torch
 import yaml
 from forking_cli import ForkingCli
+from torch import nn
 
 import raytrain_app as rt
-from raytrain_app.checkpoint.store import META_FILE, TRAIN_STATE_FILE, write_manifest
+from raytrain_app.checkpoint.store import (
+    EMA_FILE,
+    META_FILE,
+    MODEL_FILE,
+    TRAIN_STATE_FILE,
+    write_manifest,
+)
+from raytrain_app.checkpoint.train_state import (
+    LoopState,
+    Trainables,
+    load_resumable,
+    save_resumable,
+)
 from raytrain_app.errors import BadInputError
 from raytrain_app.predict import refuse_overwriting_data
 from raytrain_app.storage import StorageLocation
 from raytrain_app.sweep.restore_trust import check_restorable
 from raytrain_app.testing.isolation import isolated_env
+from raytrain_app.worker.model_companions import make_ema
 from raytrain_app.workloads import FactoryRef
 
 NAME = "shared"
@@ -245,6 +259,27 @@ def test_resume_refuses_a_train_state_carrying_a_pickle_payload(workspace, cli):
     message = _one_line_error(done)
     assert TRAIN_STATE_FILE in message and "unsupported GLOBAL posix.system" in message, message
     assert _ran(workspace) == []
+
+
+@pytest.mark.parametrize("weights", [MODEL_FILE, EMA_FILE])
+def test_resume_refuses_weights_carrying_a_pickle_payload_in_one_line(tmp_path, weights):
+    torch.manual_seed(0)
+    module = nn.Linear(3, 1)
+    optimizer = torch.optim.AdamW(module.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    t = Trainables(module, module, optimizer, scheduler, scaler, make_ema(module, 0.9))
+    directory = tmp_path / "checkpoint"
+    save_resumable(directory, t, LoopState(), [], meta={})
+    torch.save({"payload": _Payload(tmp_path / "marker")}, directory / weights)
+    write_manifest(directory)
+
+    with pytest.raises(BadInputError) as refused:
+        load_resumable(directory, t, lr=None, device=torch.device("cpu"))
+
+    message = str(refused.value)
+    assert f"{weights}' holds objects other than tensors" in message and "\n" not in message
+    assert not (tmp_path / "marker").exists()
 
 
 def test_predict_refuses_edited_metadata_with_one_line(workspace, cli):
