@@ -1,8 +1,10 @@
 """The prepare pass of streaming Parquet data: read and preprocess the user's files once.
 
-With Ray initialised, Ray Data reads the files (one task per row group) and groups the rows
-by series (``groupby().map_groups()``, an all-to-all shuffle: every series must fit one
-task's memory); without Ray, the same per-series function runs here. Either way the result
+Where the footers show each series in row groups of its own (or files sorted by series),
+one task per series reads just those row groups (``stream_direct``); otherwise Ray Data
+reads the files (one task per row group) and groups the rows by series
+(``groupby().map_groups()``, an all-to-all shuffle). Either way every series must fit one
+task's memory; without Ray, the same per-series function runs here. The result
 is the store ``stream_manifest`` describes, in ``cache_root/<key>/``, where ``<key>`` hashes
 the files (name, size, mtime) and every window parameter: a second call with the same
 inputs finds the store complete (``manifest.json`` is written last) and reads no data.
@@ -27,14 +29,13 @@ from raytrain_app.data.parquet_windows import (
     check_window_arguments,
 )
 from raytrain_app.data.series_split import refuse_short_series
+from raytrain_app.data.stream_direct import GroupRead, footer_units, prepare_read
 from raytrain_app.data.stream_manifest import MANIFEST_NAME, StreamManifest, split_bounds
+from raytrain_app.data.stream_ray import direct_on_ray, remote_args, shuffle_on_ray
 from raytrain_app.data.stream_series import (
     ReadUnit,
     SeriesSpec,
-    open_parquet,
     prepare_series,
-    prepare_series_on_ray,
-    read_batch,
     read_unit,
 )
 from raytrain_app.data.stream_store import (
@@ -62,12 +63,17 @@ class PreparedStream:
         location: the folder holding ``manifest.json`` (a local path or a URI).
         reused: an existing complete store was found; nothing was read or written.
         nodes: the Ray node ids where the per-series tasks ran (empty when run here).
+        path: ``direct`` (each series read from its own row groups) or ``shuffle``; empty
+            when reused.
+        operators: the Ray Data operators the pass ran, as its stats name them.
     """
 
     manifest: StreamManifest
     location: str
     reused: bool
     nodes: tuple[str, ...] = ()
+    path: str = ""
+    operators: tuple[str, ...] = ()
 
 
 def prepare_stream(
@@ -110,18 +116,23 @@ def prepare_stream(
         return PreparedStream(found, store.uri, reused=True)
     check_files(files, [*args["feature_columns"], args["target_column"]], _keys(args))
     spec = _series_spec(args, size, store, path)
-    units = _read_units(files)
+    units, reads = footer_units(files, spec.group_column)
+    if not units:
+        raise _no_rows(spec)
+    operators: tuple[str, ...] = ()
     with _bad_input_from_tasks():
         if _ray_initialized():
-            metadata = _run_on_ray(files, units, spec, resources, task_env)
+            remote = remote_args(files, spec, resources, task_env)
+            metadata, operators = _run_on_ray(files, units, reads, spec, remote)
         else:
-            metadata = _run_here(files, units, spec)
+            metadata = _run_here(files, units, reads, spec)
     _refuse_short_series(metadata, spec)
     manifest = build_manifest(key, args, size, metadata, infos, spec)
     store.child(MANIFEST_NAME).write_text(manifest.to_json())  # last: the store is complete
     nodes = tuple(sorted({n for n in metadata.column("node").to_pylist() if n}))
-    _log_prepared(manifest, store, nodes)
-    return PreparedStream(manifest, store.uri, reused=False, nodes=nodes)
+    path = "shuffle" if reads is None else "direct"
+    _log_prepared(manifest, store, nodes, path)
+    return PreparedStream(manifest, store.uri, False, nodes, path, operators)
 
 
 @dataclass(frozen=True)
@@ -206,27 +217,23 @@ def _location(cache_root: Path | StorageLocation | str) -> StorageLocation:
     return StorageLocation.parse(cache_root, "the streaming data cache")
 
 
-def _read_units(files: list[DataFile]) -> list[ReadUnit]:
-    """One unit per row group of every file, with the row (in its file) it starts at."""
-    units = []
-    for index, file in enumerate(files):
-        metadata = open_parquet(file).metadata
-        first = 0
-        for group in range(metadata.num_row_groups):
-            units.append(ReadUnit(index, group, first))
-            first += metadata.row_group(group).num_rows
-    return units
-
-
 def _ray_initialized() -> bool:
     import ray
 
     return ray.is_initialized()
 
 
-def _run_here(files: list[DataFile], units: list[ReadUnit], spec: SeriesSpec) -> pa.Table:
-    """The per-series function over every series, in this process."""
+def _run_here(
+    files: list[DataFile], units: list[ReadUnit], reads: list[GroupRead] | None, spec: SeriesSpec
+) -> pa.Table:
+    """The per-series function over every series, in this process: read after read on
+    the direct path (one series in memory at a time), else every row at once."""
     columns = _source_columns(spec)
+    if reads is not None:
+        parts = [part for read in reads for part in prepare_read(files, units, read, spec, columns)]
+        if not parts:
+            raise _no_rows(spec)
+        return pa.concat_tables(parts)
     tables = [read_unit(files[u.file_index], u, columns) for u in units]
     table = pa.concat_tables(tables) if tables else None
     if table is None or table.num_rows == 0:
@@ -240,41 +247,20 @@ def _run_here(files: list[DataFile], units: list[ReadUnit], spec: SeriesSpec) ->
 def _run_on_ray(
     files: list[DataFile],
     units: list[ReadUnit],
+    reads: list[GroupRead] | None,
     spec: SeriesSpec,
-    resources: dict[str, float] | None,
-    task_env: Mapping[str, str] | None,
-) -> pa.Table:
-    """Ray Data: a task per row group reads it, a sort by series gathers each series, and
-    a task per sorted block prepares the series in it."""
-    import ray.data
-    from ray.data.context import ShuffleStrategy
-
-    if not units:
-        raise _no_rows(spec)
-    remote: dict[str, Any] = {"resources": dict(resources)} if resources else {}
-    if any(isinstance(f, StorageLocation) for f in [*files, spec.store]) and task_env:
-        # workers on a running cluster do not see this process's S3 endpoint and keys
-        remote["runtime_env"] = {"env_vars": dict(task_env)}
-    items = [{"unit": i} for i in range(len(units))]
-    ds = ray.data.from_items(items, override_num_blocks=len(items))
-    # This dataset's own context (a copy): a sort shuffle runs as plain tasks, where the
-    # default hash shuffle starts a pool of aggregator actors on every run (seconds each,
-    # on any node, whatever ``resources`` say).
-    ds.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
-    ds = ds.map_batches(
-        read_batch,
-        batch_size=None,
-        batch_format="pyarrow",
-        fn_kwargs={"files": files, "units": units, "columns": _source_columns(spec)},
-        **remote,
-    )
-    out = ds.groupby(spec.group_column).map_groups(
-        prepare_series_on_ray, batch_format="pyarrow", fn_kwargs={"spec": spec}, **remote
-    )
-    parts = [b for b in out.iter_batches(batch_size=None, batch_format="pyarrow") if b.num_rows]
+    remote: dict[str, Any],
+) -> tuple[pa.Table, tuple[str, ...]]:
+    """The direct path where ``reads`` are known, else the shuffle; the metadata rows and
+    the operators Ray Data ran."""
+    columns = _source_columns(spec)
+    if reads is not None:
+        parts, operators = direct_on_ray(files, units, reads, spec, columns, remote)
+    else:
+        parts, operators = shuffle_on_ray(files, units, spec, columns, remote)
     if not parts:
         raise _no_rows(spec)
-    return pa.concat_tables(parts)
+    return pa.concat_tables(parts), operators
 
 
 def _source_columns(spec: SeriesSpec) -> list[str]:
@@ -326,7 +312,9 @@ def _bad_input_cause(exc: BaseException) -> BadInputError | None:
     return None
 
 
-def _log_prepared(manifest: StreamManifest, store: StorageLocation, nodes: tuple) -> None:
+def _log_prepared(
+    manifest: StreamManifest, store: StorageLocation, nodes: tuple, path: str
+) -> None:
     # Counted here, not by ``chunks``: its cache would make two manifests' ``==`` compare arrays
     windows = sum(
         (end - begin - manifest.window) // manifest.stride + 1
@@ -335,11 +323,12 @@ def _log_prepared(manifest: StreamManifest, store: StorageLocation, nodes: tuple
     )
     where = f"on {len(nodes)} Ray node(s)" if nodes else "in this process"
     logger.info(
-        "Prepared %d series (%d windows) from %d file(s), %d bytes read, %s, into %s",
+        "Prepared %d series (%d windows) from %d file(s), %d bytes read, %s, %s, into %s",
         len(manifest.series),
         windows,
         manifest.source_files,
         manifest.source_bytes,
         where,
+        "each series from its own row groups" if path == "direct" else "through a shuffle",
         store.uri,
     )

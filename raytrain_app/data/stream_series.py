@@ -73,10 +73,13 @@ def open_parquet(file: DataFile) -> pq.ParquetFile:
     return pq.ParquetFile(str(file))
 
 
-def read_unit(file: DataFile, unit: ReadUnit, columns: list[str]) -> pa.Table:
-    """``columns`` of one row group, with the file and row position columns appended."""
+def read_unit(
+    file: DataFile, unit: ReadUnit, columns: list[str], handle: pq.ParquetFile | None = None
+) -> pa.Table:
+    """``columns`` of one row group, with the file and row position columns appended
+    (``handle``: ``file`` already open, its footer read)."""
     try:
-        table = open_parquet(file).read_row_group(unit.row_group, columns=columns)
+        table = (handle or open_parquet(file)).read_row_group(unit.row_group, columns=columns)
     except (pa.ArrowException, OSError) as exc:
         # a footer can be intact while a page inside the file is not
         raise BadInputError(

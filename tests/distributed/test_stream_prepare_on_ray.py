@@ -1,5 +1,6 @@
-"""The streaming prepare pass on Ray Data: the same bytes as in process, one-line errors, and
-data and prepared store both in an object store (the S3 test server)."""
+"""The streaming prepare pass on Ray Data: the same bytes as in process, by the shuffle and
+by the direct path (no shuffle, seen in Ray Data's stats), one-line errors, and data and
+prepared store both in an object store (the S3 test server)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from stream_data import (
     store_files,
     stream_run_config,
     write_files,
+    write_series_files,
 )
 
 import raytrain_app as rt
 from raytrain_app.data import stream_prepare
+from raytrain_app.data.stream_direct import footer_units
 from raytrain_app.data.stream_prepare import prepare_stream
 from raytrain_app.errors import BadInputError
 from raytrain_app.planning.environment import variables_set
@@ -29,11 +32,16 @@ from raytrain_app.testing.s3_server import s3_for_this_process
 pytestmark = pytest.mark.distributed
 
 
-def prepare(path, cache, *, in_process: bool = False, **params):
-    """``prepare_stream`` on the session's Ray, or in this process as if Ray were not up."""
+def prepare(path, cache, *, in_process: bool = False, shuffle: bool = False, **params):
+    """``prepare_stream`` on the session's Ray, or in this process as if Ray were not up;
+    ``shuffle``: as if the footers did not show the series apart."""
     with pytest.MonkeyPatch.context() as patch:
         if in_process:
             patch.setattr(stream_prepare, "_ray_initialized", lambda: False)
+        if shuffle:
+            patch.setattr(
+                stream_prepare, "footer_units", lambda f, g: (footer_units(f, g)[0], None)
+            )
         # As the driver calls it: the tasks get this process's S3 variables (none or the
         # test server's), which workers on a running cluster would not see otherwise.
         return prepare_stream(
@@ -55,13 +63,37 @@ def in_process(source, tmp_path_factory):
     return prepare(str(source), tmp_path_factory.mktemp("here"), in_process=True)
 
 
+# What moves rows between tasks; Ray Data names the sort shuffle "Sort", its hash shuffle
+# "HashShuffleMap"/"HashShuffleReduce", groupby's aggregations "Aggregate".
+ALL_TO_ALL = ("Sort", "Shuffle", "Aggregate", "Repartition")
+
+
 def test_ray_data_writes_the_same_bytes_as_the_in_process_pass(
     ray_cluster, source, in_process, tmp_path
 ):
     on_ray = prepare(str(source), tmp_path)
     assert not on_ray.reused and on_ray.nodes and not in_process.nodes
+    assert on_ray.path == "shuffle" and any("Sort" in op for op in on_ray.operators)
     assert on_ray.manifest.to_json() == in_process.manifest.to_json()
     assert store_files(on_ray.location) == store_files(in_process.location)
+    # A file per series: a task per series reads its own row groups, no shuffle; the
+    # store is the shuffle's, forced on the same files, bit for bit.
+    grouped = write_series_files(tmp_path / "grouped", series_table())
+    direct = prepare(str(grouped), tmp_path / "direct")
+    shuffled = prepare(str(grouped), tmp_path / "shuffled", shuffle=True)
+    assert (direct.path, shuffled.path) == ("direct", "shuffle") and direct.nodes
+    assert direct.operators and not [
+        op for op in direct.operators if any(name in op for name in ALL_TO_ALL)
+    ], direct.operators
+    assert any("Sort" in op for op in shuffled.operators), shuffled.operators
+    assert store_files(direct.location) == store_files(shuffled.location)
+    assert direct.manifest.to_json() == shuffled.manifest.to_json()
+    # and its series files are the interleaved copy's (the manifests differ in their key)
+    assert series_files(direct.location) == series_files(in_process.location)
+
+
+def series_files(location: str) -> dict[str, bytes]:
+    return {name: data for name, data in store_files(location).items() if name != "manifest.json"}
 
 
 def test_a_bad_series_in_a_ray_task_is_the_one_line_error(ray_cluster, source, tmp_path):

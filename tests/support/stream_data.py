@@ -68,6 +68,17 @@ def write_files(folder: Path, table: pa.Table, files: int = 2) -> Path:
     return folder
 
 
+def write_series_files(folder: Path, table: pa.Table, row_group_size: int = 40) -> Path:
+    """``table``'s series one file each (rows in ``table``'s order, small row groups), as
+    SCADA exports write them: the prepare pass's direct path reads them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    turbines = table.column("turbine").to_numpy()
+    for turbine in np.unique(turbines):
+        part = table.filter(turbines == turbine)
+        pq.write_table(part, folder / f"turbine-{turbine}.parquet", row_group_size=row_group_size)
+    return folder
+
+
 def store_files(location: str) -> dict[str, bytes]:
     """Every file of a prepared store (relative name -> bytes)."""
     root = StorageLocation.parse(location, "test")
