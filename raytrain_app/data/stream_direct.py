@@ -29,7 +29,7 @@ from raytrain_app.data.stream_series import (
     SeriesSpec,
     open_parquet,
     prepare_series,
-    read_unit,
+    read_units,
 )
 from raytrain_app.data.windows import group_bounds
 
@@ -75,7 +75,7 @@ def footer_units(
                 if ranges is not None and column is not None:
                     found = _range(metadata.row_group(group).column(column), len(units))
                     ranges = None if found is None else [*ranges, found]
-                units.append(ReadUnit(index, group, first))
+                units.append(ReadUnit(index, group, first, rows))
             first += rows
     if group_column is None:  # one series: one task reads every row group
         return units, [GroupRead(tuple(range(len(units))))] if units else []
@@ -131,13 +131,9 @@ def read_group(
     group_column: str | None,
 ) -> pa.Table:
     """The rows of the series ``read`` is for, sorted by series (stably: files' order kept)."""
-    handles: dict[int, pq.ParquetFile] = {}  # each file's footer read once per task
     parts = []
-    for position, index in enumerate(read.units):
-        unit = units[index]
-        if unit.file_index not in handles:
-            handles[unit.file_index] = open_parquet(files[unit.file_index])
-        table = read_unit(files[unit.file_index], unit, columns, handles[unit.file_index])
+    tables = read_units(files, [units[i] for i in read.units], columns)
+    for position, table in enumerate(tables):
         if group_column is not None and (position or read.drop_shared):
             keys = table.column(group_column)
             same = pc.equal(keys, pc.min(keys))

@@ -29,6 +29,7 @@ from raytrain_app.data.parquet_windows import (
     check_window_arguments,
 )
 from raytrain_app.data.series_split import refuse_short_series
+from raytrain_app.data.stream_budget import PrepareBudget, block_bytes, prepare_budget
 from raytrain_app.data.stream_direct import GroupRead, footer_units, prepare_read
 from raytrain_app.data.stream_manifest import MANIFEST_NAME, StreamManifest, split_bounds
 from raytrain_app.data.stream_ray import direct_on_ray, remote_args, shuffle_on_ray
@@ -120,12 +121,12 @@ def prepare_stream(
     if not units:
         raise _no_rows(spec)
     operators: tuple[str, ...] = ()
+    read = (files, units, reads, spec, _read_columns(args))
     with _bad_input_from_tasks():
         if _ray_initialized():
-            remote = remote_args(files, spec, resources, task_env)
-            metadata, operators = _run_on_ray(files, units, reads, spec, remote)
+            metadata, operators = _run_on_ray(*read, remote_args(files, spec, resources, task_env))
         else:
-            metadata = _run_here(files, units, reads, spec)
+            metadata = _run_here(*read)
     _refuse_short_series(metadata, spec)
     manifest = build_manifest(key, args, size, metadata, infos, spec)
     store.child(MANIFEST_NAME).write_text(manifest.to_json())  # last: the store is complete
@@ -153,6 +154,14 @@ class StoreSpot:
     def prepared(self) -> StreamManifest | None:
         """The store's manifest if it is complete (``raytrain plan`` shows it)."""
         return complete_store(self.store, self.key)
+
+    def budget(self) -> PrepareBudget:
+        """The path the prepare pass would take and what it would hold, from the files'
+        footers (checked as the pass checks them); no rows read."""
+        args = self.args
+        check_files(self.files, [*args["feature_columns"], args["target_column"]], _keys(args))
+        units, reads = footer_units(self.files, args["group_column"])
+        return prepare_budget(units, reads, _read_columns(args), block_bytes())
 
 
 def locate_store(
@@ -224,11 +233,14 @@ def _ray_initialized() -> bool:
 
 
 def _run_here(
-    files: list[DataFile], units: list[ReadUnit], reads: list[GroupRead] | None, spec: SeriesSpec
+    files: list[DataFile],
+    units: list[ReadUnit],
+    reads: list[GroupRead] | None,
+    spec: SeriesSpec,
+    columns: list[str],
 ) -> pa.Table:
     """The per-series function over every series, in this process: read after read on
     the direct path (one series in memory at a time), else every row at once."""
-    columns = _source_columns(spec)
     if reads is not None:
         parts = [part for read in reads for part in prepare_read(files, units, read, spec, columns)]
         if not parts:
@@ -249,11 +261,11 @@ def _run_on_ray(
     units: list[ReadUnit],
     reads: list[GroupRead] | None,
     spec: SeriesSpec,
+    columns: list[str],
     remote: dict[str, Any],
 ) -> tuple[pa.Table, tuple[str, ...]]:
     """The direct path where ``reads`` are known, else the shuffle; the metadata rows and
     the operators Ray Data ran."""
-    columns = _source_columns(spec)
     if reads is not None:
         parts, operators = direct_on_ray(files, units, reads, spec, columns, remote)
     else:
@@ -263,10 +275,9 @@ def _run_on_ray(
     return pa.concat_tables(parts), operators
 
 
-def _source_columns(spec: SeriesSpec) -> list[str]:
-    return [
-        *dict.fromkeys([*spec.columns, *(c for c in (spec.group_column, spec.time_column) if c)])
-    ]
+def _read_columns(args: Mapping) -> list[str]:
+    """The source columns the pass reads: the features, the target, group and time."""
+    return [*dict.fromkeys([*args["feature_columns"], args["target_column"], *_keys(args)])]
 
 
 def _refuse_short_series(metadata: pa.Table, spec: SeriesSpec) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow as pa
 
 from raytrain_app.data.parquet_source import DataFile
+from raytrain_app.data.stream_budget import block_bytes, shuffle_blocks
 from raytrain_app.data.stream_direct import GroupRead, prepare_reads_on_ray
 from raytrain_app.data.stream_series import (
     ReadUnit,
@@ -63,13 +64,14 @@ def shuffle_on_ray(
     columns: list[str],
     remote: dict[str, Any],
 ) -> tuple[list[pa.Table], tuple[str, ...]]:
-    """A task per row group reads it, a sort by series gathers each series, and a task
-    per sorted block prepares the series in it."""
+    """Tasks read the row groups in blocks of Ray Data's target size, a sort by series
+    gathers each series, and a task per sorted block prepares the series in it."""
     import ray.data
     from ray.data.context import ShuffleStrategy
 
     items = [{"unit": i} for i in range(len(units))]
-    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    blocks = shuffle_blocks(units, columns, block_bytes())
+    ds = ray.data.from_items(items, override_num_blocks=blocks)
     # This dataset's own context (a copy): a sort shuffle runs as plain tasks, where the
     # default hash shuffle starts a pool of aggregator actors on every run (seconds each,
     # on any node, whatever ``resources`` say).

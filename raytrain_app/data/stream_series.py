@@ -10,6 +10,7 @@ names every such series in one refusal.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,11 +55,13 @@ class SeriesSpec:
 
 @dataclass(frozen=True)
 class ReadUnit:
-    """One row group of one source file, and the row (in its file) where it starts."""
+    """One row group of one source file, the row (in its file) where it starts, and its
+    number of rows."""
 
     file_index: int
     row_group: int
     first_row: int
+    rows: int
 
 
 def series_file(series_id: str) -> str:
@@ -96,11 +99,19 @@ def read_batch(
 ) -> pa.Table:
     """Ray Data's read step: the row groups that ``batch``'s unit numbers name."""
     return pa.concat_tables(
-        [
-            read_unit(files[units[i].file_index], units[i], columns)
-            for i in batch["unit"].to_pylist()
-        ]
+        read_units(files, [units[i] for i in batch["unit"].to_pylist()], columns)
     )
+
+
+def read_units(
+    files: Sequence[DataFile], units: Sequence[ReadUnit], columns: list[str]
+) -> Iterator[pa.Table]:
+    """``read_unit`` of each of ``units`` in turn, each file's footer read once."""
+    handles: dict[int, pq.ParquetFile] = {}
+    for unit in units:
+        if unit.file_index not in handles:
+            handles[unit.file_index] = open_parquet(files[unit.file_index])
+        yield read_unit(files[unit.file_index], unit, columns, handles[unit.file_index])
 
 
 def prepare_series_on_ray(table: pa.Table, spec: SeriesSpec) -> pa.Table:

@@ -1,6 +1,7 @@
 """What ``raytrain plan`` shows of the data: whether it streams, how much there is, where
-it is prepared, and (once prepared) its windows and steps per epoch. Reads a listing and,
-if present, the prepared manifest; never the data."""
+it is prepared, the prepare pass's path and memory (before it runs) and, once prepared,
+its windows and steps per epoch. Reads a listing, the files' footers and, if present, the
+prepared manifest; never a row."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def data_plan(cfg: RaytrainConfig, plan: TrainingPlan) -> dict[str, Any] | None:
             steps_per_epoch=stream_steps_per_epoch(manifest, batch, lanes),
         )
     else:
-        out["prepared"] = False
+        out.update(prepared=False, prepare=spot.budget().to_dict())
     return out
 
 
@@ -78,4 +79,22 @@ def data_plan_line(described: dict[str, Any] | None) -> list[str]:
         lines.append(
             f"              prepared when the run starts, into {described['prepared_folder']}"
         )
+        lines.append(_prepare_line(described["prepare"]))
     return lines
+
+
+def _prepare_line(budget: dict[str, Any]) -> str:
+    """The prepare pass's path and what it holds (``stream_budget.PrepareBudget``)."""
+    mib = {k: v / 2**20 for k, v in budget.items() if k.endswith("_bytes")}
+    if budget["path"] == "direct":
+        return (
+            f"              prepare pass: direct, {budget['tasks']} task(s) each reading "
+            f"its series' own row groups (at most {mib['task_bytes']:.1f} MiB of rows a task); "
+            "nothing shuffled, the driver holding a row of metadata a series"
+        )
+    return (
+        f"              prepare pass: shuffle (series interleaved in the files) of "
+        f"{mib['data_bytes']:.1f} MiB in {budget['tasks']} block(s) of about "
+        f"{mib['task_bytes']:.1f} MiB a task; up to {mib['object_store_bytes']:.1f} MiB in "
+        "Ray's object store, spilled to disk beyond it"
+    )
