@@ -85,6 +85,15 @@ before wrapping the model, and the model then recomputes activations in backward
 ``torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)`` around each block, as
 ``raytrain_app.models.wind_transformer`` does). The same name as Hugging Face models use.
 
+FLOPs per sample (optional)::
+
+    flops_per_sample: float          # or def flops_per_sample(self) -> float
+
+The training FLOPs of one sample, forward and backward (about 6 x parameters x tokens per
+sequence for a transformer). A module that has it is taken at its word for the FLOP/s and
+MFU raytrain reports; without it raytrain counts the run's first micro-batch with
+``torch.utils.flop_counter`` (matmuls, convolutions and attention; ``worker.flop_count``).
+
 Step function::
 
     def step(module: nn.Module, batch) -> StepOutput

@@ -71,6 +71,8 @@ def _summary(
         "lr": plan.lr,
         "wall_time_s": round(wall, 3),
         "samples_per_s": total_samples / train_time if train_time else 0.0,
+        # items/s, FLOP/s per worker and MFU over the run (worker.throughput)
+        "throughput": returned.get("throughput", {}),
         "checkpoint": _checkpoint_uri(checkpoints, result.checkpoint),
         "worker_nodes": returned.get("worker_nodes", []),
     }

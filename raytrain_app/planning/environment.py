@@ -17,6 +17,10 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: a job client reads its addresses without torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +212,16 @@ def local_gpu() -> GpuInfo | None:
         capability=(props.major, props.minor),
         memory_gb=round(props.total_memory / 2**30, 1),
     )
+
+
+def device_gpu_name(device: torch.device) -> str | None:
+    """The model name of the GPU a worker trains on (``torch.device``), as torch reports
+    it; None off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_name(device)
 
 
 def local_cpus(slurm: SlurmInfo | None) -> int:

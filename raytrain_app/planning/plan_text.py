@@ -66,6 +66,7 @@ def format_plan(env: Environment, plan: TrainingPlan) -> str:
             f"precision   : {plan.precision}"
             + (" + GradScaler" if plan.grad_scaler else "")
             + (", TF32 matmul" if plan.tf32 else ""),
+            f"mfu         : {plan.mfu_peak}",
             f"distributed : {plan.strategy} over {plan.backend}, timeout {plan.timeout_s}s, "
             f"SyncBatchNorm {'on' if plan.sync_batchnorm else 'off'}, "
             f"gradient compression {plan.grad_compression}",

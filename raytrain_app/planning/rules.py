@@ -29,6 +29,7 @@ from raytrain_app.planning.choices import (
 )
 from raytrain_app.planning.environment import Environment
 from raytrain_app.planning.gpus import check_gpus, choose_tf32, gpu_notes
+from raytrain_app.planning.peak_flops import plan_peak
 from raytrain_app.planning.recipe import check_schedule, describe, optimizer_recipe
 from raytrain_app.planning.workers import choose_world_size, worker_range, workers_fit
 
@@ -87,6 +88,10 @@ class TrainingPlan:
     optimizer: str = ""
     schedule: str = ""
     early_stopping: str | None = None
+    # What MFU is measured against (planning.peak_flops): the dense peak FLOP/s of the
+    # workers' GPU at this precision, None where unknown or on CPU; and the line saying so.
+    peak_flops_per_s: float | None = None
+    mfu_peak: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,13 +119,15 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
     recipe = _recipe_choices(cfg, use_gpu)
     share = cfg.scaling.gpus_per_worker if use_gpu else 0.0
     loader = cfg.dataloader
+    tf32 = choose_tf32(cfg.precision, use_gpu, env.gpu)
+    peak, mfu_peak = plan_peak(use_gpu, env.gpu.name if env.gpu else None, precision, tf32)
     return TrainingPlan(
         world_size=world_size,
         use_gpu=use_gpu,
         device=(env.gpu.name if env.gpu else "cuda") if use_gpu else "cpu",
         precision=precision,
         grad_scaler=grad_scaler,
-        tf32=choose_tf32(cfg.precision, use_gpu, env.gpu),
+        tf32=tf32,
         backend=backend,
         strategy=strategy,
         sync_batchnorm=sync_batchnorm,
@@ -142,6 +149,8 @@ def make_plan(cfg: RaytrainConfig, env: Environment, preview: bool = False) -> T
         notes=gpu_notes(
             cfg.precision, env.gpu if use_gpu else None, share, compiled, sync_batchnorm
         ),
+        peak_flops_per_s=peak,
+        mfu_peak=mfu_peak,
         **batch,
         **recipe,
     )

@@ -10,6 +10,9 @@ from pathlib import Path
 
 METRICS_FILE = "metrics.csv"
 BASE_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "lr", "samples_per_s", "epoch_time_s")
+# The columns measured in time (worker.throughput): two runs of the same training differ
+# in them and in nothing else, so a comparison of runs leaves them out.
+TIMING_COLUMNS = ("samples_per_s", "epoch_time_s", "items_per_s", "flops_per_s_per_worker", "mfu")
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:

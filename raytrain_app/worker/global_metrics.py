@@ -40,6 +40,8 @@ class Averages:
             key: torch.tensor(value, dtype=torch.float64, device=device)
             for key, value in (sums or {}).items()
         }
+        # The items (StepOutput.num_samples) over every worker, once global_means ran.
+        self.global_count: float | None = None
 
     def local_sums(self) -> dict[str, float]:
         return {key: float(value) for key, value in self.sums.items()}
@@ -60,7 +62,7 @@ class Averages:
         for key in ["loss", *keys, "_count"]:
             self.sums.setdefault(key, zero)
         totals = all_reduce_sums(self.sums)
-        count = totals.pop("_count")
+        count = self.global_count = totals.pop("_count")
         return {f"{prefix}{k}": (v / count if count else float("nan")) for k, v in totals.items()}
 
 

@@ -170,6 +170,7 @@ class WorkerLoop:
             "gradient_checkpointing": self.plan.gradient_checkpointing,
             "world_size": self.world_size,
             "world_size_segments": self.state.segments,
+            "throughput": self.stepper.throughput.of_run(self.state.history),
         }
 
     # -- setup ---------------------------------------------------------------------------
@@ -335,11 +336,8 @@ class WorkerLoop:
         }
         row["lr"] = self.stepper.lr()
         row["world_size"] = self.world_size  # an elastic run's size at the epoch's end
-        # elapsed_s is the whole epoch's training time, the part before a resume included
-        # (without the time lost to the interruption), so the rate is over all its steps.
         epoch_samples = self.steps_per_epoch * self.plan.effective_batch_size
-        row["samples_per_s"] = epoch_samples / max(progress.elapsed_s, 1e-9)
-        row["epoch_time_s"] = progress.elapsed_s
+        row.update(self.stepper.throughput.epoch_fields(progress, epoch_samples, self.world_size))
         if self.cfg.train.on_nonfinite == "skip":
             # Every rank skipped the same steps (they agree after each step).
             row["skipped_steps"] = progress.skipped_steps

@@ -21,6 +21,7 @@ from raytrain_app.protocol import ModelSpec
 from raytrain_app.worker.global_metrics import EpochProgress
 from raytrain_app.worker.model_companions import broadcast_buffers
 from raytrain_app.worker.step_agreement import AgreedFlags, StepAgreement
+from raytrain_app.worker.throughput import Throughput
 
 
 def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -77,6 +78,7 @@ class OptimizerStep:
         self.optimizer, self.scheduler, self.scaler, self.ema = optimizer, scheduler, scaler, ema
         self.agreement = agreement
         self.device, self.world_size = device, world_size
+        self.throughput = Throughput(module, plan, device)  # FLOPs per sample, the peak
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast_for(self.plan.precision, self.device)
@@ -96,9 +98,13 @@ class OptimizerStep:
         micro_counts: list[Mapping[str, torch.Tensor]] = []
         for micro in range(accum):
             last = micro == accum - 1
-            with self._sync_context(last):
+            # The run's first micro-batch is counted (worker.flop_count), uncompiled.
+            counted = self.throughput.flops.pending
+            model = _compiled_inner(self.model) if counted else self.model
+            counting = self.throughput.flops.counting() if counted else contextlib.nullcontext()
+            with self._sync_context(last), counting:
                 with self.autocast():
-                    out = self.spec.step(self.model, next(batches))
+                    out = self.spec.step(model, next(batches))
                 micro_results.append(({"loss": out.loss, **out.metrics}, out.num_samples))
                 micro_counts.append(out.counts)
                 if last:  # the flags travel with this backward's gradient all-reduce

@@ -17,6 +17,7 @@ from torch import nn
 import raytrain_app as rt
 from raytrain_app.checkpoint import store as ckpt
 from raytrain_app.checkpoint.sharded import SHARDED_METADATA_FILE
+from raytrain_app.tracking.metrics_log import TIMING_COLUMNS
 from raytrain_app.workloads import FactoryRef, build_data
 
 pytestmark = pytest.mark.distributed
@@ -92,7 +93,7 @@ def test_every_rank_s_shard_is_in_the_recorded_checkpoint(runs):
 def test_a_worker_killed_mid_epoch_resumes_from_the_shards_bit_for_bit(runs):
     killed, straight = runs["killed"], runs["fsdp"]
     assert killed.summary["status"] == "completed"
-    drop = ("samples_per_s", "epoch_time_s")
+    drop = TIMING_COLUMNS
     assert [{k: v for k, v in r.items() if k not in drop} for r in killed.metrics] == [
         {k: v for k, v in r.items() if k not in drop} for r in straight.metrics
     ]

@@ -11,6 +11,7 @@ import torch
 import yaml
 
 import raytrain_app as rt
+from raytrain_app.tracking.metrics_log import TIMING_COLUMNS
 
 SHIPPED = Path(rt.__file__).parent / "configs"
 
@@ -72,6 +73,4 @@ def assert_learned(result: Any, cfg: dict[str, Any]) -> None:
 
 
 def without_timings(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        {k: v for k, v in row.items() if k not in ("samples_per_s", "epoch_time_s")} for row in rows
-    ]
+    return [{k: v for k, v in row.items() if k not in TIMING_COLUMNS} for row in rows]

@@ -17,9 +17,7 @@ from paths import EXAMPLES, TEST_WORKLOADS
 
 import raytrain_app as rt
 from raytrain_app.checkpoint import store as ckpt
-from raytrain_app.tracking.metrics_log import read_metrics
-
-TIMING_COLUMNS = ("samples_per_s", "epoch_time_s")
+from raytrain_app.tracking.metrics_log import TIMING_COLUMNS, read_metrics
 
 
 def fault_config(output_dir: Path, name: str, epochs: int = 4, **model_params) -> dict:

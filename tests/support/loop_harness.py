@@ -13,12 +13,13 @@ from environments import make_env
 
 from raytrain_app.config import RaytrainConfig, config_from_dict, config_to_dict
 from raytrain_app.planning.rules import make_plan
+from raytrain_app.tracking.metrics_log import TIMING_COLUMNS
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
 from raytrain_app.worker.session import InProcessSession
 from raytrain_app.workloads import model_factory, prepare_data
 
 # Of a run's metrics, what an interrupted run must reproduce exactly (timings differ).
-TIMING_KEYS = ("samples_per_s", "epoch_time_s")
+TIMING_KEYS = TIMING_COLUMNS
 
 
 class Crash(Exception):

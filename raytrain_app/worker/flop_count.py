@@ -1,0 +1,78 @@
+"""FLOPs per sample of a run: the model's own ``flops_per_sample``, or counted once by
+torch's ``FlopCounterMode`` over the run's first micro-batch, as training runs it.
+
+The count is of the real first micro-batch (its forward and backward, through DDP), not
+of an extra pass: the step function runs no more often than it would, the model, its
+buffers and the random streams go on exactly as without the count. What is counted is
+what torch's counter knows: matrix multiplies, convolutions and attention (elementwise
+ops, norms and the loss are free), forward and backward, as PaLM's and torchtitan's MFU
+count; the optimizer's update is left out. A model that recomputes activations in
+backward (gradient checkpointing) is counted with the recomputation, as it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import numbers
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from raytrain_app.errors import BadInputError
+from raytrain_app.worker.rank_zero import rank_zero_info
+
+logger = logging.getLogger(__name__)
+
+
+def own_flops_per_sample(module: nn.Module) -> float | None:
+    """The model's ``flops_per_sample`` (a number, or a method returning one); None when it
+    has none."""
+    own = getattr(module, "flops_per_sample", None)
+    if own is None:
+        return None
+    value = own() if callable(own) else own
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise BadInputError(
+            f"the model's flops_per_sample is {value!r}; make it the training FLOPs of one "
+            f"sample (forward and backward) as a positive number, or remove it to have "
+            f"raytrain count them"
+        )
+    return float(value)
+
+
+class FlopsPerSample:
+    """A run's FLOPs per sample: the model's own, else counted on the first micro-batch
+    this worker process trains (a resumed run counts again)."""
+
+    def __init__(self, module: nn.Module, micro_batch: int) -> None:
+        self.micro_batch = micro_batch  # the samples of one micro-batch
+        self.value = own_flops_per_sample(module)
+        self.source = "model" if self.value is not None else None
+
+    @property
+    def pending(self) -> bool:
+        """Whether the next micro-batch is to be counted."""
+        return self.source is None
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count the FLOPs of the micro-batch whose forward and backward run in the block.
+
+        Run it eagerly: under torch.compile the counter's dispatch mode makes Dynamo skip
+        the frame, and mark its code never to be compiled again.
+        """
+        self.source = "counted"  # one try: a failing step fails the run anyway
+        with FlopCounterMode(display=False) as counter:
+            yield
+        self.value = counter.get_total_flops() / self.micro_batch
+        rank_zero_info(
+            logger,
+            "FLOPs per sample: %.4g (forward and backward, counted on one micro-batch of %d)",
+            self.value,
+            self.micro_batch,
+        )
