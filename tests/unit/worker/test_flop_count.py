@@ -1,18 +1,21 @@
 """FLOPs per sample and the throughput a run reports, through the worker loop in this
 process (one CPU worker, no Ray): the count of a stack of Linear layers is the analytic
 one, a model's own ``flops_per_sample`` wins, counting changes nothing training does, and
-metrics.csv's rows and the run's ``throughput`` carry items/s and FLOP/s (no MFU on CPU)."""
+metrics.csv's rows and summary.json's ``throughput`` carry items/s and FLOP/s (no MFU on
+CPU)."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 from loop_harness import LocalSession, make_task, run_loop, without_timings
 from torch import nn
 
+from raytrain_app.driver.run_summary import _summary
 from raytrain_app.errors import BadInputError
 from raytrain_app.protocol import ModelSpec, StepOutput
 from raytrain_app.worker import flop_count, worker_setup
@@ -139,7 +142,8 @@ def test_a_run_reports_items_per_s_from_the_steps_counts_and_flops_without_mfu_o
     tmp_path, monkeypatch
 ):
     monkeypatch.setattr(worker_setup, "build_model", _counting_tokens(worker_setup.build_model))
-    result, _ = run_loop(make_task(tmp_path, epochs=2), LocalSession(tmp_path / "ckpt"))
+    task = make_task(tmp_path, epochs=2)
+    result, _ = run_loop(task, LocalSession(tmp_path / "ckpt"))
     history = result["history"]
     for row in history:
         assert row["items_per_s"] == pytest.approx(3 * row["samples_per_s"])
@@ -154,3 +158,6 @@ def test_a_run_reports_items_per_s_from_the_steps_counts_and_flops_without_mfu_o
         None,
         None,
     )
+    # The driver writes what the workers returned into summary.json.
+    returned = SimpleNamespace(return_value=result, checkpoint=None)
+    assert _summary(returned, task.plan, 1.0, None)["throughput"] == throughput
