@@ -6,8 +6,9 @@ of an extra pass: the step function runs no more often than it would, the model,
 buffers and the random streams go on exactly as without the count. What is counted is
 what torch's counter knows: matrix multiplies, convolutions and attention (elementwise
 ops, norms and the loss are free), forward and backward, as PaLM's and torchtitan's MFU
-count; the optimizer's update is left out. A model that recomputes activations in
-backward (gradient checkpointing) is counted with the recomputation, as it runs.
+count (attention on CPU too: ``_cpu_attention_formulas``); the optimizer's update is left
+out. A model that recomputes activations in backward (gradient checkpointing) is counted
+with the recomputation, as it runs.
 """
 
 from __future__ import annotations
@@ -16,15 +17,47 @@ import contextlib
 import logging
 import numbers
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from raytrain_app.errors import BadInputError
 from raytrain_app.worker.rank_zero import rank_zero_info
 
 logger = logging.getLogger(__name__)
+
+
+def _as_counted(formula: Any) -> Any:
+    """A formula of torch's registry (shapes already taken from the tensors) given as a
+    ``custom_mapping`` entry, which would otherwise take the shapes a second time."""
+
+    def count(*args: Any, **kwargs: Any) -> int:
+        return formula(*args, **kwargs)
+
+    count._get_raw = True  # type: ignore[attr-defined]
+    return count
+
+
+def _cpu_attention_formulas() -> dict[Any, Any]:
+    """torch's own attention formulas for the CPU kernel of ``scaled_dot_product_attention``,
+    which torch 2.13's counter leaves out (it counts the GPU kernels): the same arguments
+    lead both, so a transformer on CPU is counted as on a GPU."""
+    aten, registry = torch.ops.aten, flop_counter.flop_registry
+    pairs = {
+        "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu_backward": (
+            "_scaled_dot_product_flash_attention_backward"
+        ),
+    }
+    formulas = {}
+    for cpu, gpu in pairs.items():
+        op, known = getattr(aten, cpu, None), registry.get(getattr(aten, gpu, None))
+        if op is not None and op not in registry and known is not None:
+            formulas[op] = _as_counted(known)
+    return formulas
 
 
 def own_flops_per_sample(module: nn.Module) -> float | None:
@@ -67,7 +100,7 @@ class FlopsPerSample:
         the frame, and mark its code never to be compiled again.
         """
         self.source = "counted"  # one try: a failing step fails the run anyway
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas()) as counter:
             yield
         self.value = counter.get_total_flops() / self.micro_batch
         rank_zero_info(

@@ -161,3 +161,15 @@ def test_a_run_reports_items_per_s_from_the_steps_counts_and_flops_without_mfu_o
     # The driver writes what the workers returned into summary.json.
     returned = SimpleNamespace(return_value=result, checkpoint=None)
     assert _summary(returned, task.plan, 1.0, None)["throughput"] == throughput
+
+
+def test_attention_on_cpu_is_counted_as_torch_counts_it_on_a_gpu():
+    # torch's counter knows the GPU kernels of scaled_dot_product_attention, not the CPU
+    # one. Its formula: 2 batched matmuls forward (scores, then values), 5 backward (the
+    # flash kernel recomputes the scores), each 2*s*s*d FLOPs per batch and head.
+    b, h, s, d = 2, 4, 16, 8
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    flops = flop_count.FlopsPerSample(nn.Identity(), micro_batch=b)
+    with flops.counting():
+        nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    assert flops.value * b == 7 * 2 * b * h * s * s * d
