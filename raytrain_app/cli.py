@@ -65,6 +65,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc != 1:
         return _train_under_torchrun(args)
     cfg = load_config(args.config, args.overrides)  # before the imports, as in plan
+    from raytrain_app.driver.goodput import goodput_line
     from raytrain_app.driver.training import train
 
     result = train(cfg, address=args.address, progress=not args.no_progress, local=args.local)
@@ -88,6 +89,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         f"{s['per_worker_batch_size']} x {s['grad_accum_steps']} accumulation; {s['precision']}"
     )
     print(f"throughput    : {s['samples_per_s']:.0f} samples/s; wall time {s['wall_time_s']:.1f} s")
+    print(f"time          : {goodput_line(s['goodput'])}")  # where the wall time went
     print(f"checkpoint    : {s['checkpoint']}")
     best = s.get("best_metric")
     if best:

@@ -30,6 +30,14 @@ class RunControl:
         self._latest: dict[str, Any] = {}
         self._stop = False
         self._lease_lost: str | None = None
+        self._accounts: dict[str, dict[str, Any]] = {}  # per attempt (driver.goodput)
+
+    def account(self, record: dict[str, Any]) -> None:
+        """Rank 0's latest goodput account of its attempt (``worker.goodput``)."""
+        self._accounts[record["attempt"]] = record
+
+    def accounts(self) -> list[dict[str, Any]]:
+        return list(self._accounts.values())
 
     def update(self, **fields: Any) -> None:
         self._latest = fields
@@ -60,6 +68,8 @@ class DriverControl:
         self._lease_lost = lease_lost.get()  # the lease this run holds (driver.run_lease)
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        # Every attempt's latest goodput account, read when the run ends (driver.goodput).
+        self.accounts: list[dict[str, Any]] = []
 
     def __enter__(self) -> DriverControl:
         # On the driver's own node: placed anywhere (it needs no CPU), it could land on a
@@ -74,6 +84,10 @@ class DriverControl:
         self._done.set()
         if self._thread:
             self._thread.join(timeout=5)
+        try:
+            self.accounts = ray.get(self.actor.accounts.remote(), timeout=_POLL_INTERVAL_S * 10)
+        except Exception:  # the account is a report, never a reason to fail the run
+            self.accounts = []
         ray.kill(self.actor)
 
     def _run(self) -> None:

@@ -7,12 +7,14 @@ what rank 0 wrote (``metrics.csv``, the checkpoints Ray kept).
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import ray.train
 
 from raytrain_app.checkpoint.ranking import best_checkpoint
+from raytrain_app.driver.goodput import attempts_of, run_goodput
 from raytrain_app.driver.launch import Launch
 from raytrain_app.driver.run_directory import RunDirectory
 from raytrain_app.driver.run_lease import check_lease_held
@@ -29,6 +31,7 @@ def record_run(
     check_lease_held()  # no summary from a run that lost its directory meanwhile
     run_dir, resolved = launch.run_dir, launch.resolved
     summary = _summary(result, launch.plan, wall_s, run_dir.at("checkpoints"))
+    summary["goodput"] = _goodput(result, wall_s)
     summary.update(_best_summary(run_dir, resolved.train.monitor, resolved.train.mode))
     run_dir.write_summary(summary)
     metrics = _read_metrics(run_dir)
@@ -76,6 +79,13 @@ def _summary(
         "checkpoint": _checkpoint_uri(checkpoints, result.checkpoint),
         "worker_nodes": returned.get("worker_nodes", []),
     }
+
+
+def _goodput(result: ray.train.Result, wall_s: float) -> dict[str, float]:
+    """Where the run's wall time went (``driver.goodput``), ending now."""
+    returned = result.return_value or {}
+    attempts = attempts_of(returned, returned.get("goodput_attempts", []))
+    return run_goodput(wall_s, time.time(), attempts)
 
 
 def _checkpoint_uri(checkpoints: StorageLocation, checkpoint: Any) -> str | None:

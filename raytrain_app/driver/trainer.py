@@ -24,6 +24,7 @@ cluster's current nodes rather than on a view up to 20 s old (tests/cluster/test
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import ray.train
@@ -204,7 +205,9 @@ def run_trainer(
             storage_env=storage_env,
         )
         result = trainer.fit()
-    return result, received[0] if received else None
+    # The earlier attempts' goodput accounts, beside the last one's (driver.goodput).
+    returned = {**(result.return_value or {}), "goodput_attempts": control.accounts}
+    return dataclasses.replace(result, return_value=returned), received[0] if received else None
 
 
 def _train_loop_entry(config: dict[str, Any]) -> dict[str, Any]:

@@ -10,9 +10,20 @@ from pathlib import Path
 
 METRICS_FILE = "metrics.csv"
 BASE_COLUMNS = ("epoch", "step", "train_loss", "val_loss", "lr", "samples_per_s", "epoch_time_s")
-# The columns measured in time (worker.throughput): two runs of the same training differ
-# in them and in nothing else, so a comparison of runs leaves them out.
-TIMING_COLUMNS = ("samples_per_s", "epoch_time_s", "items_per_s", "flops_per_s_per_worker", "mfu")
+# Each epoch's seconds by what they went to (worker.goodput), since the previous row.
+GOODPUT_COLUMNS = (
+    "time_data_wait_s",
+    "time_compute_s",
+    "time_checkpoint_s",
+    "time_validation_s",
+    "time_other_s",
+)
+# The columns measured in time (worker.throughput, worker.goodput): two runs of the same
+# training differ in them and in nothing else, so a comparison of runs leaves them out.
+TIMING_COLUMNS = (
+    *("samples_per_s", "epoch_time_s", "items_per_s", "flops_per_s_per_worker", "mfu"),
+    *GOODPUT_COLUMNS,
+)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:

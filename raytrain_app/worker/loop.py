@@ -37,13 +37,11 @@ from raytrain_app.worker.rank_zero import is_rank_zero, rank_zero_info, set_rank
 from raytrain_app.worker.ray_dataset_batches import RayDataPlan
 from raytrain_app.worker.session import RayTrainSession, WorkerSession
 from raytrain_app.worker.step import StepOutcome
+from raytrain_app.worker.telemetry import StepTelemetry
 from raytrain_app.worker.worker_setup import build_worker
 from raytrain_app.workloads import FactoryRef
 
 logger = logging.getLogger(__name__)
-
-# How often rank 0 pushes a progress update to the driver; cheap, fire-and-forget.
-_PROGRESS_INTERVAL_S = 0.5
 
 
 class NonFiniteLossError(RunFailedError):
@@ -92,7 +90,6 @@ class WorkerLoop:
         self.metric_names = MetricNames(self.cfg.train.monitor)
         self.tracker = Tracker()  # rank 0's TensorBoard / MLflow / W&B, opened in _run
         self.loaders: EpochData | None = None  # built in setup
-        self._last_push = 0.0  # when rank 0 last updated the driver's progress bar
 
     def run(self) -> dict[str, Any]:
         failed = True
@@ -125,13 +122,16 @@ class WorkerLoop:
             self.cfg, run_dir, self.state.step, is_rank_zero(), trial=self.task.trial
         )
         self.tracker = files.tracked(tracker)
+        self.telemetry.begin(self.state.step)  # the account of the time starts (goodput)
         for epoch in range(self.state.epoch, self.cfg.train.epochs):
             if self.stopping.stopped_at(self.state.history):  # also after a resume
                 break
             row = self.train_epoch(epoch)
             if row is None:  # stopped mid-epoch on request, checkpoint written
                 return self._result(nodes, stopped=True)
-            row.update(self.validate())
+            with self.telemetry.goodput.timing("validation_s"):
+                row.update(self.validate())
+            row.update(self.telemetry.goodput.epoch_columns())  # where the time went
             self.metric_names.check_counted(self.spec)
             self.state.epoch, self.state.history = epoch + 1, [*self.state.history, row]
             if metrics_log:
@@ -170,6 +170,7 @@ class WorkerLoop:
             "gradient_checkpointing": self.plan.gradient_checkpointing,
             "world_size": self.world_size,
             "world_size_segments": self.state.segments,
+            "goodput": self.telemetry.goodput.record(),
             "throughput": self.stepper.throughput.of_run(self.state.history),
         }
 
@@ -183,6 +184,7 @@ class WorkerLoop:
         self.steps_per_epoch = parts.loaders.steps_per_epoch
         self.stepper, self.stopping = parts.stepper, parts.stopping
         self.stop_request, self.reporter = parts.stop_request, parts.reporter
+        self.telemetry = StepTelemetry.for_worker(self.task, self.cfg, parts, self.rank)
 
     @property
     def model(self) -> nn.Module:
@@ -226,9 +228,8 @@ class WorkerLoop:
         self.model.train()
         plan = self.plan
         first_step = self.state.step_in_epoch
-        batches = self.loaders.epoch_batches(
-            epoch, first_step * plan.grad_accum_steps * plan.per_worker_batch_size
-        )
+        skip = first_step * plan.grad_accum_steps * plan.per_worker_batch_size
+        batches = self.telemetry.goodput.timed(self.loaders.epoch_batches(epoch, skip))
         progress = EpochProgress(self.device, self._resumed_epoch)
         self._resumed_epoch = None
         start = time.perf_counter()
@@ -257,7 +258,9 @@ class WorkerLoop:
             self.state.step += 1
             self.state.step_in_epoch = step_in_epoch + 1
             elapsed = progress.elapsed_s + time.perf_counter() - start
-            self._after_step(epoch, outcome.last_loss, elapsed)
+            self.telemetry.after_step(
+                self.state, epoch, outcome.last_loss, elapsed, self.tracker, self.stepper.lr
+            )
             checkpoint_due = self._step_checkpoint_due()
             if pending is not None and (checkpoint_due or self._stop):  # before any report
                 self._settle(pending)
@@ -295,32 +298,6 @@ class WorkerLoop:
         rank_zero_info(logger, "skipped %s: non-finite loss %s", where, outcome.losses())
         self.stepper.skip()
         self.state.skipped_steps += 1
-
-    def _after_step(self, epoch: int, loss: torch.Tensor, elapsed: float) -> None:
-        """Step-level tracking and the driver's progress bar (rank 0, throttled).
-
-        ``elapsed``: the epoch's training time so far, the part before a mid-epoch
-        checkpoint (or before a resume) included, as the step count is.
-        """
-        if self.tracker.due(self.state.step):
-            self.tracker.log_step(
-                self.state.step, {"loss": float(loss.detach()), "lr": self.stepper.lr()}
-            )
-        if not (self.task.show_progress and self.task.control and is_rank_zero()):
-            return
-        now, step = time.perf_counter(), self.state.step_in_epoch
-        if now - self._last_push < _PROGRESS_INTERVAL_S and (step < self.steps_per_epoch):
-            return
-        self._last_push = now
-        self.task.control.update.remote(
-            epoch=epoch + 1,
-            epochs=self.cfg.train.epochs,
-            step=step,
-            steps=self.steps_per_epoch,
-            loss=float(loss.detach()),
-            samples_per_s=step * self.plan.effective_batch_size / max(elapsed, 1e-9),
-            workers=self.world_size,
-        )
 
     def _step_checkpoint_due(self) -> bool:
         every = self.cfg.train.checkpoint_every_steps
@@ -381,12 +358,15 @@ class WorkerLoop:
 
     def report(self, row: dict[str, float], due: bool) -> None:
         """Report the epoch on every rank (Ray requires equal counts); rank 0 checkpoints."""
-        self.reporter.report(row, due, self.state, self._trainables(), EpochProgress(self.device))
+        progress = EpochProgress(self.device)
+        with self.telemetry.reporting(due):  # the time a checkpoint blocks is counted
+            self.reporter.report(row, due, self.state, self._trainables(), progress)
 
     def report_mid_epoch(self, progress: EpochProgress) -> None:
         """A checkpoint between two steps, with what the rest of the epoch needs to resume."""
         row = {"epoch": self.state.epoch, "step": self.state.step, "mid_epoch": 1}
-        self.reporter.report(row, True, self.state, self._trainables(), progress)
+        with self.telemetry.reporting(True):
+            self.reporter.report(row, True, self.state, self._trainables(), progress)
 
 
 @dataclass

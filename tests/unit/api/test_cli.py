@@ -328,3 +328,27 @@ def test_version_names_raytrain_ray_torch_and_python(capsys):
     assert re.fullmatch(
         r"raytrain \S+, ray 2\.\d+\.\d+\S*, torch 2\.\d+\.\d+\S*, python 3\.\d+\.\d+", shown
     ), shown
+
+
+def test_train_ends_with_where_the_wall_time_went(monkeypatch, capsys, tmp_path):
+    from raytrain_app.driver import training
+    from raytrain_app.driver.goodput import GOODPUT_PARTS
+
+    goodput = dict.fromkeys(GOODPUT_PARTS, 0.0)
+    goodput.update(compute_s=30.0, startup_s=7.5, data_wait_s=2.5)
+    summary = {
+        "final_metrics": {"epoch": 1, "train_loss": 0.5, "val_loss": 0.4},
+        "effective_batch_size": 64,
+        "world_size": 2,
+        "per_worker_batch_size": 32,
+        "grad_accum_steps": 1,
+        "precision": "fp32",
+        "samples_per_s": 100.0,
+        "wall_time_s": 40.0,
+        "checkpoint": str(tmp_path / "checkpoint"),
+        "goodput": goodput,
+    }
+    finished = training.TrainResult(run_dir=tmp_path, summary=summary)
+    monkeypatch.setattr(training, "train", lambda cfg, **kwargs: finished)
+    assert cli.main(["train"]) == 0
+    assert "time          : compute 75%, start-up 19%, data wait 6%" in capsys.readouterr().out
