@@ -71,6 +71,10 @@ def test_a_worker_killed_while_writing_a_checkpoint_restarts_and_loses_nothing(r
     checkpoints = result.run_dir / "checkpoints"
     assert not list(checkpoints.glob("**/*.partial")), "the torn copy was left behind"
     assert_same_as(result.run_dir, reference)
+    # The run's time: the restart and the steps 60 to 70, trained twice, are counted.
+    goodput = result.summary["goodput"]
+    assert goodput["restart_s"] > 0 and goodput["lost_work_s"] > 0, goodput
+    assert sum(goodput.values()) == pytest.approx(result.summary["wall_time_s"], rel=0.02)
 
 
 def test_a_nan_on_one_rank_skips_that_step_on_every_rank(ray_cluster, tmp_path):

@@ -167,6 +167,7 @@ def peaks(ray_cluster, tmp_path_factory) -> dict[int, dict]:
             "worker": sampler.worker_peak,
             "tree": sampler.tree_peak,
             "tree_at_peak": sampler.tree_at_peak,
+            "summary": result.summary,
         }
     return found
 
@@ -174,6 +175,14 @@ def peaks(ray_cluster, tmp_path_factory) -> dict[int, dict]:
 def test_the_data_is_at_least_ten_times_the_workers_allowance(peaks):
     assert peaks[1]["data_bytes"] >= 10 * peaks[1]["allowance"], peaks
     assert peaks[2]["steps"] >= 2 * peaks[1]["steps"] - 1  # an epoch of twice the windows
+
+
+def test_the_goodput_parts_of_a_streaming_run_sum_to_its_wall_time(peaks):
+    for found in peaks.values():
+        goodput, wall = found["summary"]["goodput"], found["summary"]["wall_time_s"]
+        assert sum(goodput.values()) == pytest.approx(wall, rel=0.02), goodput
+        # The reader's waits for its next block are data waits.
+        assert goodput["data_wait_s"] > 0 and goodput["compute_s"] > 0, goodput
 
 
 def test_doubling_the_data_does_not_grow_the_workers_peak_nor_the_ray_trees(peaks):

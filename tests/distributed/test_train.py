@@ -8,12 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from ray_sessions import MetricsScrape
 from torch import nn
 
 import raytrain_app as rt
 from raytrain_app.checkpoint.store import MODEL_FILE, read_meta
+from raytrain_app.driver.goodput import GOODPUT_PARTS
 from raytrain_app.errors import BadInputError
 from raytrain_app.models.wind_transformer import WindTransformer
+from raytrain_app.tracking.metrics_log import GOODPUT_COLUMNS
+from raytrain_app.worker import live_metrics
 from raytrain_app.workloads import FactoryRef, build_data
 
 pytestmark = pytest.mark.distributed
@@ -45,7 +49,11 @@ class _RunsByWorkers(dict):
 
     def __missing__(self, workers: int):
         before = _actor_ids()
-        self[workers] = rt.train(small_config(self.out, f"w{workers}", workers), progress=False)
+        # What Ray's Prometheus endpoint showed while the run trained.
+        with MetricsScrape() as scrape:
+            cfg = small_config(self.out, f"w{workers}", workers)
+            self[workers] = rt.train(cfg, progress=False)
+        self.scraped = {**getattr(self, "scraped", {}), workers: scrape.samples}
         # What this run started (the session's Ray also serves other modules' runs, some
         # with Ray Datasets, which do need Ray Train's dataset actors).
         self.started_actors = getattr(self, "started_actors", set()) | {
@@ -122,6 +130,35 @@ def test_run_directory_is_complete(runs, workers):
     # The resolved config is re-runnable as is: it loads and has no "auto" left.
     resolved = rt.load_config(result.run_dir / "config.yaml")
     assert resolved.scaling.num_workers == workers and resolved.precision == "fp32"
+
+
+def test_the_goodput_parts_sum_to_the_wall_time(runs):
+    result = runs[2]
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    goodput = summary["goodput"]
+    assert set(goodput) == set(GOODPUT_PARTS)
+    assert sum(goodput.values()) == pytest.approx(summary["wall_time_s"], rel=0.02)
+    for part in ("startup_s", "compute_s", "data_wait_s", "checkpoint_s", "validation_s"):
+        assert goodput[part] > 0, part
+    assert goodput["restart_s"] == goodput["lost_work_s"] == 0  # nothing failed
+    # Every epoch's own seconds, in metrics.csv; its steps' compute and data waits fit in
+    # the epoch's training time, measured apart from them.
+    for row in result.metrics:
+        assert all(row[column] >= 0 for column in GOODPUT_COLUMNS), row
+        assert row["time_compute_s"] + row["time_data_wait_s"] <= row["epoch_time_s"] * 1.02
+
+
+def test_rays_metrics_endpoint_shows_each_workers_live_numbers_while_it_trains(runs):
+    runs[2]
+    seen = {(name, labels.get("run"), labels.get("rank")) for name, labels, _ in runs.scraped[2]}
+    for metric in (live_metrics.STEP_TIME, live_metrics.SAMPLES_PER_S, live_metrics.DATA_WAIT):
+        ranks = {rank for name, run, rank in seen if (name, run) == (f"ray_{metric}", "w2")}
+        assert ranks == {"0", "1"}, (metric, seen)  # every worker, tagged with its run
+    # Ray's exporter names a Counter ..._total; an epoch's checkpoint blocks rank 0.
+    blocked = f"ray_{live_metrics.CHECKPOINT_BLOCKED}_total"
+    assert (blocked, "w2", "0") in seen, seen
+    # No FLOP count and no peak rate for a CPU: no MFU (worker.throughput).
+    assert not [entry for entry in seen if entry[0] == f"ray_{live_metrics.MFU}"]
 
 
 def test_one_and_two_workers_train_the_same_optimisation(runs):

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import threading
+import urllib.request
 from collections.abc import Iterator
 
 import ray
@@ -27,12 +30,17 @@ def session_ray(num_cpus: int, num_gpus: int | None = None) -> Iterator[dict]:
     paths = [str(EXAMPLES), str(TEST_WORKLOADS)]
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, saved_pythonpath]))
     # Ray's own ports are 0 (the OS picks free ones); the dashboard (the State API some
-    # tests query) gets a free port too, so parallel sessions never collide.
-    (dashboard_port,) = free_ports(1)
+    # tests query) and the Prometheus endpoint (``MetricsScrape``) get free ports too, so
+    # parallel sessions never collide.
+    dashboard_port, metrics_port = free_ports(2)
     ray.init(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         dashboard_port=dashboard_port,
+        _metrics_export_port=metrics_port,
+        # Workers export their metrics every second instead of every 10: a short test run
+        # shows up on the endpoint while it trains.
+        _system_config={"metrics_report_interval_ms": 1000},
         _temp_dir=temp_dir,
         logging_level="WARNING",
     )
@@ -45,3 +53,41 @@ def session_ray(num_cpus: int, num_gpus: int | None = None) -> Iterator[dict]:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved_pythonpath
+
+
+# A sample line of Prometheus' text format: name{labels} value.
+_SAMPLE = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+class MetricsScrape(threading.Thread):
+    """Polls the session Ray's Prometheus endpoint while a run trains: every sample seen
+    whose name starts with ``prefix``, as (name, labels, value)."""
+
+    def __init__(self, prefix: str = "ray_raytrain_", interval_s: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        port = ray._private.worker._global_node.metrics_export_port
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.prefix, self.interval_s = prefix, interval_s
+        self.samples: list[tuple[str, dict[str, str], float]] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval_s):
+            try:
+                text = urllib.request.urlopen(self.url, timeout=5).read().decode()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                found = _SAMPLE.match(line) if line.startswith(self.prefix) else None
+                if found:
+                    name, labels, value = found.groups()
+                    self.samples.append((name, dict(_LABEL.findall(labels)), float(value)))
+
+    def __enter__(self) -> MetricsScrape:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop_event.set()
+        self.join()
