@@ -63,16 +63,18 @@ class LiveMetrics:
         self._blocked = counter.set_default_tags(tags)
 
     @classmethod
-    def on_ray(cls, run: str, rank: int) -> LiveMetrics:
+    def on_ray(
+        cls, run: str, rank: int, achieved: Callable[[float], dict[str, float]] | None = None
+    ) -> LiveMetrics:
         """Ray metrics where this process is connected to Ray; none elsewhere (local mode,
         torchrun, the unit tests' in-process loops)."""
         import ray
 
         if not ray.is_initialized():
-            return cls(run, rank)
+            return cls(run, rank, achieved=achieved)
         from ray.util import metrics
 
-        return cls(run, rank, metrics)
+        return cls(run, rank, metrics, achieved)
 
     def interval(self, steps: int, seconds: float, data_wait_s: float, samples: int) -> None:
         """``steps`` optimizer steps of ``samples`` samples in ``seconds``, of which this

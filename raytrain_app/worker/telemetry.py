@@ -55,7 +55,8 @@ class StepTelemetry:
     def for_worker(cls, task: Any, cfg: RaytrainConfig, parts: Any, rank: int) -> StepTelemetry:
         """The telemetry of the worker built as ``parts`` (``worker_setup.WorkerParts``)."""
         run = task.trial.trial_id if task.trial else cfg.experiment.name
-        live = LiveMetrics.on_ray(run, rank)
+        # MFU where the model's FLOPs and the device's peak are known (worker.throughput).
+        live = LiveMetrics.on_ray(run, rank, achieved=parts.stepper.throughput.achieved)
         steps = parts.loaders.steps_per_epoch
         driver = task.control if is_rank_zero() and _is_actor(task.control) else None
         return cls(task, parts.plan, steps, cfg.train.epochs, parts.device, live, driver)

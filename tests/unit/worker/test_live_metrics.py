@@ -71,3 +71,38 @@ def test_without_ray_nothing_is_published_and_nothing_fails():
     live = LiveMetrics.on_ray("r", 0)  # this process never connected to Ray
     live.interval(steps=4, seconds=1.0, data_wait_s=0.1, samples=100)
     live.checkpoint_blocked(1.0)
+
+
+def test_the_loop_publishes_its_live_numbers_and_mfu_from_its_flop_count(tmp_path, monkeypatch):
+    """The in-process loop with stand-ins for Ray's metrics and a GPU's peak: every
+    interval sets the step time, the rate and the data-wait share, and MFU from the FLOPs
+    counted on the first micro-batch (worker.throughput)."""
+    from loop_harness import LocalSession, make_task, run_loop
+
+    from raytrain_app.worker import telemetry
+    from raytrain_app.worker.throughput import Throughput
+
+    ray_metrics = FakeRayMetrics()
+    monkeypatch.setattr(
+        LiveMetrics,
+        "on_ray",
+        classmethod(lambda cls, run, rank, achieved=None: cls(run, rank, ray_metrics, achieved)),
+    )
+    monkeypatch.setattr(telemetry, "INTERVAL_S", 0.0)  # every step
+    peak = 1.0e9  # FLOP/s of the stand-in device
+    counted = Throughput.achieved
+
+    def with_peak(self, rate):
+        return {"mfu": counted(self, rate)["flops_per_s_per_worker"] / peak}
+
+    monkeypatch.setattr(Throughput, "achieved", with_peak)
+    run_loop(make_task(tmp_path, epochs=1), LocalSession(tmp_path / "ckpt"))
+    made = ray_metrics.made
+    assert len(made[STEP_TIME].values) >= 16 and min(made[STEP_TIME].values) > 0
+    assert all(0 <= share <= 1 for share in made[DATA_WAIT].values)
+    # MFU is the FLOPs per sample x samples/s over the peak: in step with the rate.
+    rates, mfus = made[SAMPLES_PER_S].values, made[MFU].values
+    assert len(mfus) == len(rates) and mfus[0] > 0
+    ratios = [mfu / rate for rate, mfu in zip(rates, mfus, strict=True)]
+    assert ratios == pytest.approx([ratios[0]] * len(ratios))
+    assert made[CHECKPOINT_BLOCKED].values  # the epoch's checkpoint blocked the step
