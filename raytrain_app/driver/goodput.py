@@ -10,8 +10,9 @@ goes (``driver.run_control``), the last one in its result. The parts:
   the attempts (ranks move in step through each step's all-reduce, so rank 0's steps are
   the run's: a rank late with its data holds rank 0 in the all-reduce, which it counts as
   compute; every worker's own data-wait share is a live metric, ``worker.live_metrics``);
-- ``restart_s``: from an attempt's last account (at most ``telemetry.INTERVAL_S`` before
-  it failed) to the next attempt's first step;
+- ``restart_s``: from an attempt's last account (sent every ``telemetry.INTERVAL_S`` while
+  it steps and before each checkpoint: a failure in the middle of a long validation counts
+  that validation here) to the next attempt's first step;
 - ``lost_work_s``: the steps a failed attempt trained past the checkpoint the next one
   resumed from, at that attempt's mean step time (taken out of its compute and data wait);
 - ``other_s``: the rest: the loop's bookkeeping between steps, what follows the last step
