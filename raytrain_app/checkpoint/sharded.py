@@ -66,34 +66,44 @@ def _resumable(model: nn.Module, optimizer: Any, ema: nn.Module | None) -> dict[
     return state
 
 
-def save_sharded(
+def sharded_state(
+    model: nn.Module, optimizer: Any, ema: nn.Module | None
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """This rank's shards of the model, optimizer and EMA (as they are: copy them to keep
+    them), and the full model and EMA state dicts, new copies on rank 0's CPU (empty
+    elsewhere). Every rank must call it: the full state dicts are gathered."""
+    shards = _resumable(model, optimizer, ema)
+    return shards, full_state_dict(model), full_state_dict(ema) if ema is not None else None
+
+
+def write_sharded(
     directory: Path,
     *,
-    model: nn.Module,
-    optimizer: Any,
-    ema: nn.Module | None,
+    shards: dict[str, Any],
+    model_state: dict[str, Any],
+    ema_state: dict[str, Any] | None,
     train_state: dict[str, Any],
     meta: dict[str, Any],
+    group: Any = None,
 ) -> None:
-    """Write this rank's part of a checkpoint into ``directory``; every rank calls it."""
+    """Write this rank's part of a checkpoint into ``directory``; every rank calls it,
+    its collectives over ``group`` (None: the default group)."""
     import torch.distributed.checkpoint as dcp
 
     directory.mkdir(parents=True, exist_ok=True)
-    dcp.save(_resumable(model, optimizer, ema), checkpoint_id=str(directory))
-    model_state = full_state_dict(model)
-    ema_state = full_state_dict(ema) if ema is not None else None
+    dcp.save(shards, checkpoint_id=str(directory), process_group=group)
     # Rank 0's manifest lists every rank's shard: a checkpoint missing one is torn.
-    others = _all_gather(store.file_digests(directory) if _rank() != 0 else {})
+    others = _all_gather(store.file_digests(directory) if _rank() != 0 else {}, group)
     if _rank() != 0:
         return
-    shards = {name: digest for files in others for name, digest in files.items()}
+    digests = {name: digest for files in others for name, digest in files.items()}
     store.save_checkpoint(
         directory,
         model=model_state,
         train_state=train_state,
         meta=meta,
         ema=ema_state,
-        other_files=shards,
+        other_files=digests,
     )
 
 
@@ -146,9 +156,9 @@ def load_sharded(
         set_model_state_dict(ema, state["ema"])
 
 
-def _all_gather(obj: Any) -> list[Any]:
+def _all_gather(obj: Any, group: Any = None) -> list[Any]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out

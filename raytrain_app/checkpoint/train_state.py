@@ -22,6 +22,7 @@ from torch.optim.swa_utils import AveragedModel
 from raytrain_app.checkpoint import sharded
 from raytrain_app.checkpoint import store as ckpt
 from raytrain_app.checkpoint.lr_rescale import rescale_lrs
+from raytrain_app.checkpoint.snapshot import Snapshot
 from raytrain_app.errors import BadInputError
 
 logger = logging.getLogger(__name__)
@@ -137,28 +138,38 @@ def save_resumable(
     ranks: list[dict[str, Any]],
     meta: dict[str, Any],
 ) -> None:
-    """Write a checkpoint of ``trainables`` and ``state``; ``ranks`` holds every rank's
-    ``{"rng": ..., "epoch": ...}`` (gathered by the caller). A sharded (FSDP) model's
-    checkpoint is written by every rank, each its part (``sharded.py``); any other by
+    """Write a checkpoint of ``trainables`` and ``state`` now (``snapshot_resumable``,
+    written at once, without copying)."""
+    snapshot_resumable(trainables, state, ranks, meta).write(directory)
+
+
+def snapshot_resumable(
+    trainables: Trainables,
+    state: LoopState,
+    ranks: list[dict[str, Any]],
+    meta: dict[str, Any],
+    copy: Callable[[Any], Any] = lambda state: state,
+) -> Snapshot:
+    """What a checkpoint of ``trainables`` and ``state`` holds, passed through ``copy``
+    (``snapshot.HostCopies`` where training goes on before it is written; as it is where
+    it is written at once). ``ranks`` holds every rank's ``{"rng": ..., "epoch": ...}``
+    (gathered by the caller). A sharded (FSDP) model's checkpoint is written by every
+    rank, each its part (``sharded.py``), and every rank must call this; any other by
     rank 0 alone."""
     t = trainables
+    ema = t.ema.module if t.ema is not None else None
     if sharded.is_sharded(t.model):
-        sharded.save_sharded(
-            directory,
-            model=t.model,
-            optimizer=t.optimizer,
-            ema=t.ema.module if t.ema is not None else None,
-            train_state=_loop_state(t, state, ranks),
-            meta=meta,
-        )
-        return
-    ckpt.save_checkpoint(
-        directory,
-        model=t.model,
-        train_state={"optimizer": t.optimizer.state_dict(), **_loop_state(t, state, ranks)},
-        meta=meta,
-        ema=t.ema.module if t.ema is not None else None,
-    )
+        shards, model_state, ema_state = sharded.sharded_state(t.model, t.optimizer, ema)
+        # The full state dicts are new copies already, gathered onto rank 0's CPU.
+        rest = copy({"meta": meta, "train_state": _loop_state(t, state, ranks)})
+        return Snapshot(model=model_state, ema=ema_state, shards=copy(shards), **rest)
+    plain = {
+        "model": ckpt.unwrap_model(t.model).state_dict(),
+        "ema": ckpt.unwrap_model(ema).state_dict() if ema is not None else None,
+        "train_state": {"optimizer": t.optimizer.state_dict(), **_loop_state(t, state, ranks)},
+        "meta": meta,
+    }
+    return Snapshot(**copy(plain))
 
 
 def _loop_state(t: Trainables, state: LoopState, ranks: list[dict[str, Any]]) -> dict[str, Any]:

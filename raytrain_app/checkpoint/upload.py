@@ -1,6 +1,6 @@
 """Putting a checkpoint into the run's storage so that a kill mid-copy never leaves a torn
-one under a real name (Ray Train's ``checkpoint_upload_fn``, run in the reporting worker,
-or in every worker when each reports its part of a sharded checkpoint)."""
+one under a real name (run by the checkpoint writer, ``writer.py``, of the rank that
+writes the checkpoint, or of every rank when each writes its part of a sharded one)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from raytrain_app.checkpoint.store import MANIFEST_FILE
 _RENAMING_FILESYSTEMS = ("local", "hdfs")
 
 
-def upload_shards_atomically(checkpoint: Any, name: str, storage: Any = None) -> Any:
-    """``upload_atomically`` for a checkpoint that every rank reports a part of (FSDP's
-    shards, ``sharded.py``), run by every rank inside ``ray.train.report``.
+def upload_shards_atomically(
+    checkpoint: Any, name: str, storage: Any = None, group: Any = None
+) -> Any:
+    """``upload_atomically`` for a checkpoint that every rank writes a part of (FSDP's
+    shards, ``sharded.py``), run by every rank, its collectives over ``group`` (None: the
+    default group; the checkpoint writer's own group while training uses that one).
 
     Rank 0 chooses the name; every rank copies its files into one ``.partial`` directory
     (Ray's controller wants one path from all ranks); once all have, rank 0 renames it (or,
@@ -33,7 +36,7 @@ def upload_shards_atomically(checkpoint: Any, name: str, storage: Any = None) ->
     storage = storage or ray.train.get_context().get_storage()
     fs = storage.storage_filesystem
     chosen = [_free_path(storage, fs, name) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(chosen, src=0)
+    dist.broadcast_object_list(chosen, src=0, group=group)
     final = chosen[0]
     renaming = fs.type_name in _RENAMING_FILESYSTEMS
     target = final + ".partial" if renaming else final
@@ -41,12 +44,12 @@ def upload_shards_atomically(checkpoint: Any, name: str, storage: Any = None) ->
         if fs.get_file_info(target).type != pyarrow.fs.FileType.NotFound:
             fs.delete_dir(target)  # left by a worker killed mid-copy
         fs.create_dir(target)
-    dist.barrier()
+    dist.barrier(group=group)
     source = Path(checkpoint.path)
     files = sorted(p for p in source.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
     for file in files:
         _copy_file(file, f"{target}/{file.name}", checkpoint.filesystem, fs)
-    dist.barrier()  # every rank's files are in place
+    dist.barrier(group=group)  # every rank's files are in place
     if dist.get_rank() == 0:
         if (source / MANIFEST_FILE).is_file():
             _copy_file(
@@ -54,7 +57,7 @@ def upload_shards_atomically(checkpoint: Any, name: str, storage: Any = None) ->
             )
         if renaming:
             fs.move(target, final)
-    dist.barrier()  # reported only once it is complete under its name
+    dist.barrier(group=group)  # reported only once it is complete under its name
     return ray.train.Checkpoint(final, filesystem=fs)
 
 

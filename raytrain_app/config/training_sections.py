@@ -113,6 +113,12 @@ class TrainConfig(_Section):
         description="Also save a checkpoint every this many optimizer steps, mid-epoch; a "
         "resume continues at the exact next batch. null: epoch checkpoints only.",
     )
+    async_checkpoints: bool = Field(
+        True,
+        description="Save checkpoints in the background: training stops only to copy its "
+        "state into host memory (one more copy of the weights and optimizer state), then "
+        "goes on while the copy is written; false writes them while training waits.",
+    )
     ema: EmaConfig = Field(
         default_factory=EmaConfig, description="Exponential moving average of the weights."
     )

@@ -20,6 +20,7 @@ from typing import Any
 
 from raytrain_app.checkpoint.ranking import checkpoint_score, metas_newest_first
 from raytrain_app.checkpoint.upload import upload_atomically, upload_shards_atomically
+from raytrain_app.checkpoint.writer import PendingCheckpoint
 from raytrain_app.storage import StorageLocation
 from raytrain_app.worker.loop import WorkerLoop
 from raytrain_app.worker.session import RayTrainSession, checkpoint_directory, newest_persisted
@@ -63,25 +64,26 @@ class LocalModeSession(RayTrainSession):
         self.retention = retention
 
     def report(
-        self,
-        metrics: dict[str, Any],
-        checkpoint_dir: Path | None,
-        name: str | None,
-        every_rank: bool = False,
+        self, metrics: dict[str, Any], checkpoint: PendingCheckpoint | None, name: str | None
     ) -> None:
         import ray.train
 
-        persisted = None
-        if checkpoint_dir is not None:
-            local = ray.train.Checkpoint.from_directory(checkpoint_dir)
-            if every_rank and self.world_size > 1:
-                persisted = upload_shards_atomically(local, name, storage=self.storage)
-            else:
-                persisted = upload_atomically(local, name, storage=self.storage)
-            if self.world_rank == 0:
-                self._prune()
-        # Ray's local mode keeps the last report: the run's result, as on a cluster.
-        ray.train.report(metrics, checkpoint=persisted, checkpoint_dir_name=name)
+        # Ray's local mode keeps the last report: the run's result, as on a cluster. Its
+        # checkpoint is the newest in the run's storage (driver.local_run), where the
+        # writer puts this one (``persist``).
+        ray.train.report(metrics, checkpoint_dir_name=name)
+
+    def persist(self, directory: Path, name: str, group: Any) -> Any:
+        import ray.train
+
+        local = ray.train.Checkpoint.from_directory(directory)
+        if group is None or self.world_size == 1:
+            persisted = upload_atomically(local, name, storage=self.storage)
+        else:
+            persisted = upload_shards_atomically(local, name, storage=self.storage, group=group)
+        if self.world_rank == 0:
+            self._prune()
+        return persisted
 
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         return checkpoint_directory(newest_persisted(None, storage=self.storage))

@@ -102,7 +102,8 @@ class WorkerLoop:
             raise
         finally:
             self.tracker.close(failed=failed)
-            if self.loaders is not None:
+            if self.loaders is not None:  # set up, its reporter too
+                self.reporter.close()  # a save in flight ends first (kept if whole)
                 self.loaders.shut_down()
 
     def _run(self) -> dict[str, Any]:
@@ -151,6 +152,7 @@ class WorkerLoop:
     def _result(self, nodes: list[str], stopped: bool) -> dict[str, Any]:
         """The history, where the workers ran, and the batch split they trained with (the
         memory probe may have changed it)."""
+        self.reporter.finish()  # the last checkpoint, maybe saved in the background, is whole
         if stopped:
             rank_zero_info(
                 logger, "stopped on request at step %d with a checkpoint", self.state.step
@@ -179,11 +181,11 @@ class WorkerLoop:
         """Build the data, model and training machinery (``worker.worker_setup``)."""
         parts = build_worker(self.task, self.session, self.cfg, self.plan)
         self.device, self.data_info, self.spec = parts.device, parts.data_info, parts.spec
+        self.stop_request, self.reporter = parts.stop_request, parts.reporter
         # The memory probe may have re-split the batch.
         self.plan, self.module, self.loaders = parts.plan, parts.module, parts.loaders
         self.steps_per_epoch = parts.loaders.steps_per_epoch
         self.stepper, self.stopping = parts.stepper, parts.stopping
-        self.stop_request, self.reporter = parts.stop_request, parts.reporter
         self.telemetry = StepTelemetry.for_worker(self.task, self.cfg, parts, self.rank)
 
     @property

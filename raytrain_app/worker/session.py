@@ -9,14 +9,9 @@ torchrun process group), used by the unit tests and benchmarks. One loop serves 
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
-import logging
 import shutil
 import socket
-import tempfile
-from collections import UserDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,8 +22,11 @@ from torch.utils.data import DataLoader
 
 from raytrain_app.checkpoint.store import MANIFEST_FILE, checkpoints_newest_first, name_progress
 from raytrain_app.checkpoint.upload import upload_atomically, upload_shards_atomically
+from raytrain_app.checkpoint.writer import PendingCheckpoint
+from raytrain_app.worker.device_batches import on_device, to_device
 
-logger = logging.getLogger(__name__)
+# to_device is imported from here by the memory probe and Ray Data's batches.
+__all__ = ["to_device"]
 
 
 class WorkerSession(Protocol):
@@ -38,6 +36,9 @@ class WorkerSession(Protocol):
     world_size: int
     # Whether checkpoints may be reported between epochs (train.checkpoint_every_steps).
     mid_epoch_checkpoints: bool
+    # Whether checkpoints may be saved in the background (train.async_checkpoints), the
+    # report going on before the save has ended.
+    background_saves: bool
 
     def device(self) -> torch.device: ...
 
@@ -46,13 +47,18 @@ class WorkerSession(Protocol):
     def prepare_loader(self, loader: DataLoader) -> DataLoader: ...
 
     def report(
-        self,
-        metrics: dict[str, Any],
-        checkpoint_dir: Path | None,
-        name: str | None,
-        every_rank: bool = False,
+        self, metrics: dict[str, Any], checkpoint: PendingCheckpoint | None, name: str | None
     ) -> None:
-        """``every_rank``: each rank passes its part of one checkpoint (FSDP's shards)."""
+        """Report ``metrics`` and, once persisted, this rank's ``checkpoint`` (its part, for
+        FSDP's shards). Every rank reports at the same points (Ray requires equal
+        counts), with the checkpoint's ``name`` whether or not it writes a part of it."""
+        ...
+
+    def persist(self, directory: Path, name: str, group: Any) -> Any:
+        """Put the checkpoint written into ``directory`` into the run's storage as ``name``
+        (run by the checkpoint writer, in its thread when saves are in the background).
+        ``group``: the process group of a checkpoint every rank writes a part of (FSDP),
+        None for one this rank writes alone."""
         ...
 
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
@@ -64,6 +70,7 @@ class RayTrainSession:
     """A Ray Train V2 worker; the process group already exists (Ray created it)."""
 
     mid_epoch_checkpoints = True
+    background_saves = True
 
     def __init__(self) -> None:
         import ray.train
@@ -93,21 +100,35 @@ class RayTrainSession:
         return on_device(loader, self.device())
 
     def report(
-        self,
-        metrics: dict[str, Any],
-        checkpoint_dir: Path | None,
-        name: str | None,
-        every_rank: bool = False,
+        self, metrics: dict[str, Any], checkpoint: PendingCheckpoint | None, name: str | None
     ) -> None:
         import ray.train
 
-        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        saved: dict[str, Any] = {}
+        if checkpoint is not None:
+            # Ray registers the checkpoint once the writer has persisted it: its upload
+            # function only waits for that, in Ray's upload thread.
+            saved = {
+                "checkpoint": ray.train.Checkpoint.from_directory(checkpoint.directory),
+                "delete_local_checkpoint_after_upload": False,  # the writer removes it
+                "checkpoint_upload_fn": lambda _local, _name: checkpoint.persisted.result(),
+            }
+        # Asynchronous without a checkpoint too: a synchronous report waits until the one
+        # before it is registered, that is for the save in flight.
         ray.train.report(
             metrics,
-            checkpoint=checkpoint,
             checkpoint_dir_name=name,
-            checkpoint_upload_fn=upload_shards_atomically if every_rank else upload_atomically,
+            checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+            **saved,
         )
+
+    def persist(self, directory: Path, name: str, group: Any) -> Any:
+        import ray.train
+
+        local = ray.train.Checkpoint.from_directory(directory)
+        if group is None:
+            return upload_atomically(local, name)
+        return upload_shards_atomically(local, name, group=group)
 
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         import ray.train
@@ -169,140 +190,19 @@ def _node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
-@contextlib.contextmanager
-def scratch_dir() -> Iterator[Path]:
-    """A temporary directory for a checkpoint before the session persists it."""
-    with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as directory:
-        yield Path(directory)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it on ``device``: the one rule for every batch raytrain
-    moves (the loaders of every session, the memory probe).
-
-    Ray's loader rules, kept where they agree: tensors move; lists, tuples and any
-    ``Mapping`` are walked; anything else is passed through as it is. Unlike Ray's, the
-    containers keep their type, since a step may read ``batch.images`` or call a tokenizer
-    output's methods: a NamedTuple is rebuilt field by field, a ``dict`` subclass or
-    ``UserDict`` (a Hugging Face ``BatchEncoding``) is copied with its other state (the
-    encodings), another Mapping is rebuilt from a dict where its type allows (else it
-    becomes the dict, as Ray makes every Mapping), and a dataclass is replaced field by
-    field.
-    """
-    # Asynchronous only to a GPU: a copy back to the host must be complete when read.
-    non_blocking = device.type == "cuda"
-    return _map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking))
-
-
-def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``batch`` rebuilt with ``fn`` applied to every tensor in it (``to_device``'s rules)."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        return _rebuilt_mapping(batch, {k: _map_tensors(v, fn) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(type(batch), "_fields"):  # a NamedTuple
-        return type(batch)(*(_map_tensors(item, fn) for item in batch))
-    if isinstance(batch, tuple | list):
-        items = [_map_tensors(item, fn) for item in batch]
-        return items if type(batch) is list else type(batch)(items)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {
-            f.name: _map_tensors(getattr(batch, f.name), fn)
-            for f in dataclasses.fields(batch)
-            if f.init  # the others are derived by the dataclass itself (__post_init__)
-        }
-        return dataclasses.replace(batch, **changes)
-    return batch
-
-
-def _rebuilt_mapping(batch: Mapping, moved: dict) -> Mapping:
-    """``moved`` as the Mapping type of ``batch``."""
-    if type(batch) is dict:
-        return moved
-    if isinstance(batch, dict | UserDict):
-        # A copy keeps the type and what else it holds (a defaultdict's factory, a
-        # BatchEncoding's encodings); replacing its values leaves ``batch`` as it was.
-        rebuilt = copy.copy(batch)
-        rebuilt.update(moved)
-        return rebuilt
-    try:
-        rebuilt = type(batch)(moved)
-    except (TypeError, ValueError):
-        rebuilt = None
-    # A constructor may take the dict and mean something else by it: keep only a faithful
-    # copy, holding the very values moved.
-    faithful = isinstance(rebuilt, Mapping) and rebuilt.keys() == moved.keys()
-    if faithful and all(rebuilt[key] is value for key, value in moved.items()):
-        return rebuilt
-    logger.debug("%s cannot be rebuilt from a dict; the batch is a dict", type(batch))
-    return moved
-
-
-def on_device(loader: DataLoader, device: torch.device) -> Any:
-    """``loader`` whose batches arrive on ``device`` (``loader`` itself for the CPU)."""
-    return loader if device.type == "cpu" else _DeviceLoader(loader, device)
-
-
-class _DeviceLoader:
-    """Iterates a DataLoader with every batch moved to ``device`` by ``to_device``.
-
-    On a GPU the next batch is copied on a side stream while the current one trains, as
-    Ray's own loader does (``prepare_data_loader``'s ``auto_transfer``): the training
-    stream waits for a batch's copy only when it takes that batch.
-    """
-
-    def __init__(self, loader: DataLoader, device: torch.device) -> None:
-        self.loader, self.device = loader, device
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.device.type != "cuda":
-            return (to_device(batch, self.device) for batch in self.loader)
-        return self._prefetched()
-
-    def _prefetched(self) -> Iterator[Any]:
-        copies = torch.cuda.Stream(self.device)
-        batches = iter(self.loader)
-        pending = self._staged(next(batches, _END), copies)
-        while pending is not _END:
-            torch.cuda.current_stream(self.device).wait_stream(copies)
-            ready, pending = pending, self._staged(next(batches, _END), copies)
-            yield ready
-
-    def _staged(self, batch: Any, copies: torch.cuda.Stream) -> Any:
-        """``batch`` copied to the device on the ``copies`` stream, its memory kept from
-        reuse until the training stream is done with it (``record_stream``)."""
-        if batch is _END:
-            return _END
-        training = torch.cuda.current_stream(self.device)
-
-        def copy_for_training(tensor: torch.Tensor) -> torch.Tensor:
-            moved = tensor.to(self.device, non_blocking=True)
-            if moved.device.type == "cuda":
-                moved.record_stream(training)
-            return moved
-
-        with torch.cuda.stream(copies):
-            return _map_tensors(batch, copy_for_training)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-
-_END = object()  # the end of a loader's batches (a batch may be anything, None included)
-
-
 class InProcessSession:
     """This process as a worker, without Ray: alone, or one rank of a process group that
     someone else made (torchrun, or a test's gloo processes).
 
-    Reported checkpoints are copied into ``storage`` under their names, a name already
-    taken getting a ``-rN`` suffix as in Ray Train, and ``restored_checkpoint`` hands back
-    the newest: what Ray Train does across a restart. Without ``storage`` they are
-    dropped. Every report is kept in ``reports``.
+    Checkpoints are copied into ``storage`` under their names, a name already taken
+    getting a ``-rN`` suffix as in Ray Train, and ``restored_checkpoint`` hands back the
+    newest: what Ray Train does across a restart. Without ``storage`` they are dropped.
+    Every report is kept in ``reports``.
     """
 
     # Whether checkpoints may be reported between epochs (train.checkpoint_every_steps).
     mid_epoch_checkpoints = True
+    background_saves = True
 
     def __init__(self, storage: Path | None = None, device: str = "cpu") -> None:
         grouped = dist.is_available() and dist.is_initialized()
@@ -325,27 +225,26 @@ class InProcessSession:
         return on_device(loader, self._device)
 
     def report(
-        self,
-        metrics: dict[str, Any],
-        checkpoint_dir: Path | None,
-        name: str | None,
-        every_rank: bool = False,
+        self, metrics: dict[str, Any], checkpoint: PendingCheckpoint | None, name: str | None
     ) -> None:
-        self.reports.append({**metrics, "checkpoint": name if checkpoint_dir else None})
-        if checkpoint_dir is None or self.storage is None:
-            return
+        self.reports.append({**metrics, "checkpoint": name if checkpoint else None})
+
+    def persist(self, directory: Path, name: str, group: Any) -> Path | None:
+        if self.storage is None:
+            return None
         target, attempt = self.storage / name, 1
         while target.exists():  # the same step written again after a fallback, as in Ray
             target, attempt = self.storage / f"{name}-r{attempt}", attempt + 1
-        if not (every_rank and self.world_size > 1):
-            shutil.copytree(checkpoint_dir, target)
-            return
+        if group is None or self.world_size == 1:
+            shutil.copytree(directory, target)
+            return target
         # Every rank adds its files to rank 0's directory, as Ray merges them.
         chosen = [target]
-        dist.broadcast_object_list(chosen, src=0)
-        dist.barrier()
-        shutil.copytree(checkpoint_dir, chosen[0], dirs_exist_ok=True)
-        dist.barrier()
+        dist.broadcast_object_list(chosen, src=0, group=group)
+        dist.barrier(group=group)
+        shutil.copytree(directory, chosen[0], dirs_exist_ok=True)
+        dist.barrier(group=group)
+        return chosen[0]
 
     def checkpoints(self) -> list[Path]:
         """The persisted checkpoints, newest first."""
@@ -369,22 +268,32 @@ class TuneTrialSession(InProcessSession):
 
     # A Tune result is a scheduler decision point (ASHA rungs, PBT): epochs only.
     mid_epoch_checkpoints = False
+    # tune.report copies the checkpoint's files as it reports: they must be written.
+    background_saves = False
 
     def __init__(self, use_gpu: bool) -> None:
         super().__init__(device="cuda:0" if use_gpu else "cpu")
         self.world_rank, self.world_size = 0, 1
 
     def report(
-        self,
-        metrics: dict[str, Any],
-        checkpoint_dir: Path | None,
-        name: str | None,
-        every_rank: bool = False,
+        self, metrics: dict[str, Any], checkpoint: PendingCheckpoint | None, name: str | None
     ) -> None:
         from ray import tune
 
-        checkpoint = tune.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        tune.report(metrics, checkpoint=checkpoint)
+        if checkpoint is None:
+            tune.report(metrics)
+            return
+        kept = checkpoint.persisted.result()  # written already: saves are not in the background
+        try:
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(kept))
+        finally:
+            shutil.rmtree(kept, ignore_errors=True)
+
+    def persist(self, directory: Path, name: str, group: Any) -> Path:
+        """Keep the written files for ``report``, which hands them to Tune."""
+        kept = directory.with_name(f"{directory.name}-{name}")
+        directory.rename(kept)
+        return kept
 
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         from ray import tune

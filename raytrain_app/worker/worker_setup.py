@@ -96,7 +96,9 @@ def build_worker(
             world_size=world_size,
         )
         stop_request = StopRequest(task.control, is_rank_zero())
-        reporter = Reporter(session, cfg.train, checkpoint_meta(task, data_info), world_size)
+        meta = checkpoint_meta(task, data_info)
+        timeout_s = cfg.distributed.timeout_s
+        reporter = Reporter(session, cfg.train, meta, world_size, device, timeout_s)
     except BaseException:
         loaders.shut_down()
         raise

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from environments import make_env
 
+from raytrain_app.checkpoint.writer import PendingCheckpoint
 from raytrain_app.config import RaytrainConfig, config_from_dict, config_to_dict
 from raytrain_app.planning.rules import make_plan
 from raytrain_app.tracking.metrics_log import TIMING_COLUMNS
@@ -35,17 +36,12 @@ class LocalSession(InProcessSession):
         super().__init__(storage)
         self.crash_after = crash_after_checkpoints
 
-    def report(
-        self,
-        metrics: dict,
-        checkpoint_dir: Path | None,
-        name: str | None,
-        every_rank: bool = False,
-    ) -> None:
-        super().report(metrics, checkpoint_dir, name, every_rank)
-        if checkpoint_dir is None:
+    def report(self, metrics: dict, checkpoint: PendingCheckpoint | None, name: str | None) -> None:
+        super().report(metrics, checkpoint, name)
+        if checkpoint is None or self.crash_after is None:
             return
-        if self.crash_after is not None and len(self.checkpoints()) >= self.crash_after:
+        checkpoint.persisted.result()  # saved in the background: crash once it is persisted
+        if len(self.checkpoints()) >= self.crash_after:
             raise Crash
 
 

@@ -1,0 +1,86 @@
+"""A checkpoint's content as it was at the step it was taken, held in host memory, so
+that training goes on while the writer (``writer.py``) serialises it.
+
+``train_state.snapshot_resumable`` decides what goes in; this module holds it and writes
+it: the plain files of ``store.py``, and with FSDP this rank's shards (``sharded.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raytrain_app.checkpoint import sharded, store
+
+
+@dataclass
+class Snapshot:
+    """What this rank writes of one checkpoint.
+
+    ``model``, ``ema`` and ``train_state`` are what rank 0 writes (plain state dicts and
+    values; ``{}``/None on the other ranks of a sharded checkpoint); ``shards`` is this
+    rank's DCP state of a sharded (FSDP) model, None otherwise.
+    """
+
+    meta: dict[str, Any]
+    model: dict[str, Any]
+    train_state: dict[str, Any]
+    ema: dict[str, Any] | None = None
+    shards: dict[str, Any] | None = None
+
+    def write(self, directory: Path, group: Any = None) -> None:
+        """Write it into ``directory``, manifest last. A sharded checkpoint is written by
+        every rank at once, its collectives over ``group`` (None: the default group)."""
+        if self.shards is not None:
+            sharded.write_sharded(
+                directory,
+                shards=self.shards,
+                model_state=self.model,
+                ema_state=self.ema,
+                train_state=self.train_state,
+                meta=self.meta,
+                group=group,
+            )
+            return
+        store.save_checkpoint(
+            directory, model=self.model, train_state=self.train_state, meta=self.meta, ema=self.ema
+        )
+
+
+class HostCopies:
+    """Copies state into host memory with DCP's stager, which keeps one buffer per tensor
+    storage and refills it at the next checkpoint (pinned where the state is on a GPU,
+    copied without blocking and waited for once); plain values are deep-copied.
+
+    A buffer is refilled only after the save that read it has ended: the writer keeps at
+    most one in flight.
+    """
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self._stager: Any = None
+
+    def __call__(self, state: Any) -> Any:
+        if self._stager is None:
+            self._stager = _stager(self.pinned)
+        return self._stager.stage(state)
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+def _stager(pinned: bool) -> Any:
+    # Imported here: torch.distributed.checkpoint costs some 0.7 s of CPU to import, paid
+    # only by a process that checkpoints in the background.
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    options = StagingOptions(
+        use_pinned_memory=pinned,
+        use_shared_memory=False,  # read by a thread of this process
+        use_async_staging=False,  # done before the step goes on: it is the snapshot
+        use_non_blocking_copy=pinned,
+    )
+    return DefaultStager(options)
