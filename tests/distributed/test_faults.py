@@ -53,7 +53,8 @@ def test_uneven_splits_give_equal_steps_and_count_every_validation_sample(refere
 
 def test_a_worker_killed_while_writing_a_checkpoint_restarts_and_loses_nothing(reference, tmp_path):
     """Rank 0, the one that writes checkpoints, is SIGKILLed one file into copying the
-    step-70 checkpoint into the run's storage (tests/support/workloads/checkpoint_kill.py):
+    step-70 checkpoint into the run's storage, while that save is in flight in its
+    background writer and training has gone on (tests/support/workloads/checkpoint_kill.py):
     Ray restarts both workers from an older checkpoint, the torn copy is never loaded, step
     70 is written again whole, and the run ends bit-for-bit as the uninterrupted one."""
     marker = tmp_path / "killed.json"
@@ -67,6 +68,7 @@ def test_a_worker_killed_while_writing_a_checkpoint_restarts_and_loses_nothing(r
     # 1601 train samples / 32: 50 steps an epoch, so step 70 is 20 steps into epoch 2.
     assert Path(killed["partial"]).name == ckpt.checkpoint_name(1, 70) + ".partial"
     assert len(killed["written"]) == 1 and ckpt.MANIFEST_FILE not in killed["written"]
+    assert killed["trained"] > 70, "training waited for the save (train.async_checkpoints)"
     assert result.summary["status"] == "completed"
     checkpoints = result.run_dir / "checkpoints"
     assert not list(checkpoints.glob("**/*.partial")), "the torn copy was left behind"
