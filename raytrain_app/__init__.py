@@ -61,10 +61,14 @@ def train(config=None, *, overrides=(), address=None, progress=True, local=False
 
     ``local=True``: in this process, without Ray (Ray Train's local mode), for debugging.
     """
-    from raytrain_app.driver.training import train as _train
+    from raytrain_app.driver.ray_connection import embedded_ray_beside
 
     cfg = _as_config(config, overrides)
-    return _train(cfg, address=address, progress=progress, local=local)
+    # A Ray started for this run starts beside the driver's imports and checks.
+    with embedded_ray_beside(address, local):
+        from raytrain_app.driver.training import train as _train
+
+        return _train(cfg, address=address, progress=progress, local=local)
 
 
 def tune(config=None, *, overrides=(), address=None, trust_code=False):

@@ -15,6 +15,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import raytrain_app
 from raytrain_app.cli_flags import build_parser
 from raytrain_app.config import load_config
 from raytrain_app.errors import BadInputError, RunFailedError, RunStoppedError
@@ -65,10 +66,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.nproc != 1:
         return _train_under_torchrun(args)
     cfg = load_config(args.config, args.overrides)  # before the imports, as in plan
+    # raytrain_app.train: a Ray started for the run starts beside the driver's imports
+    result = raytrain_app.train(
+        cfg, address=args.address, progress=not args.no_progress, local=args.local
+    )
     from raytrain_app.driver.goodput import goodput_line
-    from raytrain_app.driver.training import train
 
-    result = train(cfg, address=args.address, progress=not args.no_progress, local=args.local)
     if result is None:  # one of torchrun's other processes: rank 0 reports
         return 0
     s = result.summary

@@ -1,11 +1,14 @@
 """A ``Launch``: everything a run or a sweep is started with, made once, in three steps.
 
-1. ``Launch.checked``: before Ray: the config's sources and trackers, the run directory
-   (resolved here, once: it depends on ``experiment.name`` and ``output_dir`` alone), and,
-   where Ray would start on this machine, the plan against this machine and whether the
-   run directory takes the resolved config: bad input exits 2 in a second, not after
-   Ray's start-up. A run directory another run writes is refused here too.
-2. ``Launch.connected``: connects to Ray (local mode: none), plans against the resources
+1. ``Launch.checked``: before Ray is used: the config's sources and trackers, the run
+   directory (resolved here, once: it depends on ``experiment.name`` and ``output_dir``
+   alone), and, where Ray would start on this machine, the plan against this machine and
+   whether the run directory takes the resolved config: bad input exits 2 without waiting
+   for a Ray. A run directory another run writes is refused here too. ``raytrain train``
+   starts an embedded Ray beside these checks and the imports before them
+   (``ray_connection.embedded_ray_beside``), and stops it when they refuse the run.
+2. ``Launch.connected``: connects to Ray (or takes over the one started beside step 1;
+   local mode: none), plans against the resources
    it offers (the driver may sit on a CPU-only login node of a GPU cluster), checks that
    every node sees a local run directory, and that the directory takes the resolved config.
 3. ``Launch.lease``: holds the run directory's lease while the body runs, and checks the
@@ -27,7 +30,7 @@ import ray
 
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.driver.local_run import local_processes_config, torchrun_rank
-from raytrain_app.driver.ray_connection import ray_session
+from raytrain_app.driver.ray_connection import embedded_ray_starting, ray_session
 from raytrain_app.driver.run_directory import RunDirectory
 from raytrain_app.driver.run_lease import hold_run_lease, refuse_if_held
 from raytrain_app.driver.shared_storage import check_shared
@@ -125,7 +128,8 @@ class Launch:
         planned against this machine when Ray will run here (which fails fast on bad input;
         a cluster is planned against once connected)."""
         ray_here = not (self.local or self.address or self.env.ray_address)
-        if ray_here and not ray.is_initialized():
+        # Ray may be starting here already, beside these checks (embedded_ray_beside).
+        if ray_here and (embedded_ray_starting() or not ray.is_initialized()):
             return self.command.plan(self.cfg, self.env)[1]
         return None if self.command.resolves_config else self.cfg
 

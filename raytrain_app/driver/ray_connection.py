@@ -1,19 +1,28 @@
 """Where the driver's Ray comes from: a named cluster, a live session, or one started here.
 
 Also what a plan is made against: a connected cluster's resources, else this machine's.
+
+A Ray started here for ``raytrain train`` starts in a background thread while the driver
+imports torch and Ray Train and checks the run (``embedded_ray_beside``): the two took
+3 s and 5 s one after the other (benchmarks/README.md, "First step").
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import secrets
+import signal
 import stat
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -24,36 +33,50 @@ from raytrain_app.planning.cluster_resources import ray_cluster_resources
 from raytrain_app.planning.environment import (
     Environment,
     apply_ray_train_defaults,
+    dashboard_host,
     detect_environment,
+    detect_slurm,
+    local_cpus,
     unset_ray_train_defaults,
 )
 from raytrain_app.planning.rules import TrainingPlan, make_plan
 
 logger = logging.getLogger(__name__)
 
-# Ray logs, on every local start, that it turned token authentication on by default.
-_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
-_DEFAULT_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+# Notices Ray logs while it starts an embedded Ray that its user has nothing to act on
+# (logger -> the message's start): token authentication is on by default (a user of a Ray
+# bound to this machine), and, started in the background (``embedded_ray_beside``), that
+# ray.init set no SIGTERM handler (the main thread sets Ray's own: ``_exit_on_sigterm``).
+_NOTICES = {
+    "ray._private.authentication.authentication_token_setup": (
+        "Token authentication is enabled for this Ray cluster"
+    ),
+    "ray._private.worker": "SIGTERM handler is not set because current thread",
+}
 LOOPBACK = "127.0.0.1"
 
 
-class _DropDefaultTokenNotice(logging.Filter):
+class _DropNotice(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(_DEFAULT_TOKEN_NOTICE)
+        return not record.getMessage().startswith(self.start)
 
 
 @contextmanager
-def _without_default_token_notice() -> Iterator[None]:
-    """Silence Ray's notice that token auth is on by default while it starts an embedded
-    Ray: a user of one (bound to this machine) has nothing to act on. Ray's other warnings,
-    the one that token auth is off included, still show."""
-    notices = logging.getLogger(_TOKEN_SETUP_LOGGER)
-    dropped = _DropDefaultTokenNotice()
-    notices.addFilter(dropped)
+def _without_start_notices() -> Iterator[None]:
+    """Silence ``_NOTICES`` while Ray starts an embedded Ray. Ray's other warnings, the one
+    that token auth is off included, still show."""
+    dropped = [(logging.getLogger(name), _DropNotice(start)) for name, start in _NOTICES.items()]
+    for notices, notice in dropped:
+        notices.addFilter(notice)
     try:
         yield
     finally:
-        notices.removeFilter(dropped)
+        for notices, notice in dropped:
+            notices.removeFilter(notice)
 
 
 @contextmanager
@@ -135,7 +158,25 @@ def _warn_if_token_readable() -> None:
         )
 
 
-def _start_embedded_ray(env: Environment) -> None:
+@dataclass(frozen=True)
+class _EmbeddedRay:
+    """What ``ray.init()`` of an embedded Ray is given: this machine's CPUs (as the plan
+    assumed) and the dashboard's interface."""
+
+    num_cpus: int
+    dashboard_host: str
+
+    @classmethod
+    def of(cls, env: Environment) -> _EmbeddedRay:
+        return cls(int((env.machine or env.resources).cpus), env.dashboard_host)
+
+    @classmethod
+    def here(cls) -> _EmbeddedRay:
+        """As ``of(detect_environment())`` would, without the GPU probe's torch import."""
+        return cls(local_cpus(detect_slurm(os.environ)), dashboard_host(os.environ))
+
+
+def _start_embedded_ray(start: _EmbeddedRay) -> None:
     """``ray.init()`` of a single-machine cluster on loopback, its token file private."""
     if _token_to_generate():
         _create_private_token()
@@ -143,50 +184,188 @@ def _start_embedded_ray(env: Environment) -> None:
     # dashboard (the run's workers, logs, stacks; leaving it out saved no measurable
     # start-up time). Its job server runs code, so it binds to localhost unless the user
     # opts in.
-    with _without_default_token_notice(), _listening_on_loopback_only():
+    with _without_start_notices(), _listening_on_loopback_only():
         ray.init(
-            num_cpus=int((env.machine or env.resources).cpus),
-            dashboard_host=env.dashboard_host,
+            num_cpus=start.num_cpus,
+            dashboard_host=start.dashboard_host,
             logging_level=logging.WARNING,
             _node_ip_address=LOOPBACK,
         )
     _warn_if_token_readable()
 
 
+class _StartBeside:
+    """``ray.init()`` of an embedded Ray in a background thread, which then stays until
+    released: Ray starts its processes to die with the thread that started them (Linux's
+    parent-death signal follows the thread, not the process)."""
+
+    def __init__(self, start: _EmbeddedRay) -> None:
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._released = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(start,), name="raytrain-ray-start", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, start: _EmbeddedRay) -> None:
+        try:
+            _start_embedded_ray(start)
+        except BaseException as exc:  # raised again in the thread that waits for it
+            self.error = exc
+        finally:
+            self._ready.set()
+        self._released.wait()
+
+    def wait(self) -> None:
+        """Until ``ray.init()`` returned; raises what it raised."""
+        self._ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    def release(self) -> None:
+        """Let the thread end: only once the Ray it started is shut down."""
+        self._released.set()
+        self._thread.join()
+
+    def stop(self) -> None:
+        """Wait for the start, then shut down what it started (a failed start: nothing)."""
+        self._ready.wait()
+        try:
+            if self.error is None and ray.is_initialized():
+                ray.shutdown()
+        finally:
+            self.release()
+
+
+# What ray.init() imports on its way that the driver's imports of Ray Train load too
+# (Ray 2.60), with their own imports (click, colorful).
+_SHARED_RAY_MODULES = (
+    "ray._common.usage.usage_lib",
+    "ray.autoscaler._private.cli_logger",
+    "ray.dashboard",
+)
+_beside: _StartBeside | None = None  # begun by embedded_ray_beside, not yet taken over
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(signum)
+
+
+@contextmanager
+def embedded_ray_beside(address: str | None = None, local: bool = False) -> Iterator[None]:
+    """Where a run of ``address`` / ``local`` would start Ray here, start it now in the
+    background, so that what the body does before it connects (the driver's imports, the
+    checks, the plan: 3 s) runs beside Ray's start-up (5 s) instead of before it.
+
+    ``ray_session`` takes that Ray over (and shuts it down at its end). A body that ends
+    before (bad input, Ctrl-C) waits for the start and shuts down what it started: no Ray
+    is left running. Elsewhere (a cluster's address, a Ray already up, local mode) this
+    does nothing.
+    """
+    global _beside
+    # RAY_ADDRESS is Environment.ray_address: the run connects there.
+    elsewhere = local or address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()
+    if _beside is not None or elsewhere:
+        yield
+        return
+    _preimport_shared_ray_modules()
+    with _sigterm_exits():
+        _beside = _StartBeside(_EmbeddedRay.here())
+        try:
+            yield
+        finally:
+            start, _beside = _beside, None
+            if start is not None:  # not taken over: the body ended before connecting
+                start.stop()
+
+
+@contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """What ``ray.init()`` sets in the main thread, which it cannot from another: SIGTERM
+    exits through ``finally`` blocks and ``atexit``, which stop Ray. Put back afterwards
+    unless replaced meanwhile."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def embedded_ray_starting() -> bool:
+    """Whether ``embedded_ray_beside`` is starting (or has started) the Ray the run will
+    use: it is being started on this machine, as when none is up yet."""
+    return _beside is not None
+
+
+def _preimport_shared_ray_modules() -> None:
+    """Import in this thread the modules that both ``ray.init()`` and the body's imports
+    (Ray Train's) load, before the two run at once: where two threads import a circle of
+    modules from both ends, Python hands one of them a module run only in part (these take
+    0.01 s; a Ray without one of them loses nothing)."""
+    for module in _SHARED_RAY_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+
+
+def _take_beside(address: str | None, env: Environment) -> _StartBeside | None:
+    """The background start of this process's embedded Ray, handed over (once)."""
+    global _beside
+    if address or env.ray_address:
+        return None
+    start, _beside = _beside, None
+    return start
+
+
 @contextmanager
 def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
-    """Connect to ``address`` (or ``RAY_ADDRESS``), reuse a live session, or start Ray here.
+    """Connect to ``address`` (or ``RAY_ADDRESS``), reuse a live session, or start Ray here
+    (or take over the Ray ``embedded_ray_beside`` started).
 
     Yields the environment with the cluster's resources; shuts down only a Ray it started.
     """
-    started = embedded = False
-    added_defaults: list[str] = []
-    if not ray.is_initialized():
-        target = address or env.ray_address
-        # Ray would retry an unreachable address for minutes; probe it first
-        check_reachable(target, source="--address" if address else "RAY_ADDRESS")
-        try:
-            if target:
-                ray.init(address=target, logging_level=logging.WARNING)
-            else:
-                _start_embedded_ray(env)
-                embedded = True
-                added_defaults = apply_ray_train_defaults(embedded=True)
-        except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
-            where = f"the Ray cluster at {target}" if target else "a local Ray"
-            raise RunFailedError(f"could not start or reach {where}: {first_line(exc)}") from exc
-        started = True
+    beside = _take_beside(address, env)
     try:
-        resources, gpu = ray_cluster_resources()
-        if embedded:
-            # Nothing can join an embedded Ray: plan against this machine, so asking for
-            # more workers than it has fails now instead of waiting forever.
-            resources = replace(resources, source="this machine")
-        yield replace(env.with_resources(resources, gpu), embedded_ray=ray_started_here())
+        started, embedded, added_defaults = _connect(address, env, beside)
+        try:
+            resources, gpu = ray_cluster_resources()
+            if embedded:
+                # Nothing can join an embedded Ray: plan against this machine, so asking for
+                # more workers than it has fails now instead of waiting forever.
+                resources = replace(resources, source="this machine")
+            yield replace(env.with_resources(resources, gpu), embedded_ray=ray_started_here())
+        finally:
+            if started:
+                ray.shutdown()
+            unset_ray_train_defaults(added_defaults)
     finally:
-        if started:
-            ray.shutdown()
-        unset_ray_train_defaults(added_defaults)
+        if beside is not None:
+            beside.release()
+
+
+def _connect(
+    address: str | None, env: Environment, beside: _StartBeside | None
+) -> tuple[bool, bool, list[str]]:
+    """Ray connected or started for ``ray_session``: whether it started one (and ends it),
+    whether that is an embedded Ray, and the Ray Train defaults it set."""
+    if beside is None and ray.is_initialized():
+        return False, False, []
+    target = address or env.ray_address
+    # Ray would retry an unreachable address for minutes; probe it first
+    check_reachable(target, source="--address" if address else "RAY_ADDRESS")
+    try:
+        if target:
+            ray.init(address=target, logging_level=logging.WARNING)
+            return True, False, []
+        beside.wait() if beside else _start_embedded_ray(_EmbeddedRay.of(env))
+    except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
+        where = f"the Ray cluster at {target}" if target else "a local Ray"
+        raise RunFailedError(f"could not start or reach {where}: {first_line(exc)}") from exc
+    return True, True, apply_ray_train_defaults(embedded=True)
 
 
 def ray_started_here() -> bool:

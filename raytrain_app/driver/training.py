@@ -1,7 +1,8 @@
 """``train()``: the steps of ``raytrain train`` on the driver, top to bottom.
 
 1. ``Launch.checked`` (``driver/launch.py``): the checks that need no Ray, the run
-   directory, the plan against this machine when Ray would start here.
+   directory, the plan against this machine when Ray would start here (while it starts:
+   ``raytrain_app.train`` begins an embedded Ray's start before importing this module).
 2. ``Launch.connected``: Ray connected or started (local mode: none), the plan made
    against its resources, the run directory checked against the resolved config.
 3. ``Launch.lease``: one writer per run directory.

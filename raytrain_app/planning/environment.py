@@ -234,6 +234,12 @@ def local_cpus(slurm: SlurmInfo | None) -> int:
         return os.cpu_count() or 1
 
 
+def dashboard_host(env: Mapping[str, str]) -> str:
+    """The interface an embedded Ray's dashboard listens on: loopback unless the user opts
+    in with ``RAYTRAIN_DASHBOARD_HOST``."""
+    return env.get("RAYTRAIN_DASHBOARD_HOST") or LOCAL_DASHBOARD_HOST
+
+
 def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
     """Describe this process's environment; ``env`` defaults to ``os.environ``."""
     env = os.environ if env is None else env
@@ -261,7 +267,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
         gpu=gpu,
         slurm=slurm,
         torchrun=torchrun,
-        dashboard_host=env.get("RAYTRAIN_DASHBOARD_HOST") or LOCAL_DASHBOARD_HOST,
+        dashboard_host=dashboard_host(env),
         machine=machine,
     )
 

@@ -1,7 +1,7 @@
 """Bad input across the CLI, config and data: one table, each case run as the real console script.
 
 Every case must exit 2 with exactly one stderr line that names the key, file or flag and says
-how to fix it, print no traceback, start no Ray and leave the workspace byte for byte as it
+how to fix it, print no traceback, leave no Ray running and leave the workspace byte for byte as it
 was, above all the finished run ``runs/existing`` that many cases aim at.
 
 Speed: a fresh ``python -m raytrain_app.cli`` pays ~3 s of torch and Ray imports, ~4 minutes of
@@ -9,7 +9,9 @@ CPU for this table. So one runner process (``forking_cli.ForkingCli``) imports t
 forks a child per case; the child runs ``sys.exit(cli.main())`` with its own stdout, stderr and
 exit status, exactly as the ``raytrain`` entry point does. ``ray.init`` is replaced in the
 runner (``refuse_ray_init``), so a case that slips through to Ray fails with a traceback instead
-of starting a cluster.
+of starting a cluster. (``raytrain train`` begins an embedded Ray's start beside its checks; a
+refusal stops it: tests/unit/driver/test_ray_beside.py. Here that start fails at once, and only
+a case that goes on to use Ray sees the failure.)
 """
 
 from __future__ import annotations

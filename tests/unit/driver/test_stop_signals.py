@@ -7,6 +7,7 @@ import signal
 import threading
 
 import pytest
+import ray
 
 from raytrain_app import cli
 from raytrain_app.driver import training
@@ -35,6 +36,9 @@ def test_a_stopped_run_exits_130_after_ctrl_c_and_75_after_a_preemption_signal(
         raise RunStoppedError(f"stopped on request ({sig}) ...", interrupted=sig == "SIGINT")
 
     monkeypatch.setattr(training, "train", stopped)
+    # The embedded Ray begun beside the driver's imports (ray_connection) is stood in.
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     assert cli.main(["train", "--no-progress"]) == code
     err = capsys.readouterr().err
     assert f"stopped on request ({sig})" in err and "Traceback" not in err
