@@ -6,6 +6,7 @@ CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import replace
 from types import SimpleNamespace
@@ -121,6 +122,30 @@ def test_counting_changes_nothing_training_does(tmp_path, monkeypatch):
     assert without_timings(counted[0]["history"]) == without_timings(uncounted[0]["history"])
     for key, tensor in counted[1].items():
         assert torch.equal(tensor, uncounted[1][key]), key
+
+
+def test_counting_leaves_every_gradient_as_it_is_uncounted_silu_included():
+    """torch's counter computes ops it has no formula for through their decomposition:
+    SiLU's backward (every Llama MLP) then rounded otherwise, and the counted micro-batch,
+    as every resumed run's first, trained differently."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(32, 128), nn.SiLU(), nn.Linear(128, 32), nn.GELU())
+    x = torch.randn(8, 40, 32)
+
+    def gradients(counted: bool) -> tuple[list[torch.Tensor], float | None]:
+        mlp.zero_grad()
+        flops = flop_count.FlopsPerSample(mlp, micro_batch=8)
+        with flops.counting() if counted else contextlib.nullcontext():
+            mlp(x).square().mean().backward()
+        return [p.grad.clone() for p in mlp.parameters()], flops.value
+
+    plain, _ = gradients(counted=False)
+    counted, per_sample = gradients(counted=True)
+    for a, b in zip(plain, counted, strict=True):
+        assert torch.equal(a, b)
+    # The matmuls' count as before: 2 Linear layers, forward, weight and input gradients
+    # (the data needs none), 2 * 40 positions * 32 * 128 FLOPs each.
+    assert per_sample == 5 * 2 * 40 * 32 * 128
 
 
 def _counting_tokens(build):
