@@ -98,9 +98,19 @@ Step function::
 
     def step(module: nn.Module, batch) -> StepOutput
 
-``loss`` is the mean over the batch's samples (what ``backward`` sees); ``metrics`` are
-extra per-sample means (e.g. ``mae``). raytrain turns both into exact global values over
-all workers by weighting with ``num_samples``. Batches arrive on the training device.
+``loss`` is the mean over the batch's items and ``num_samples`` their number: samples for a
+classifier, the real (not padding) tokens for a sequence model whose loss skips padding
+(``ignore_index=-100``), nodes for a loss over the nodes of batched graphs. ``metrics`` are
+extra per-item means (e.g. ``mae``). raytrain turns both into exact global values over all
+workers by weighting with ``num_samples``, and so it weights the gradient: an optimizer
+step trains on ``sum(num_samples_i * loss_i) / sum(num_samples_i)`` over every micro-batch
+of every worker, the mean over every item of the global batch, so the number of workers
+and the accumulation never change what is trained (``worker.item_weights``).
+``num_samples`` may be an int or a tensor on the device, such as
+``(labels != -100).sum()``, which raytrain never reads back to the host per micro-batch.
+A step whose loss is a sum over the items (``reduction="sum"``) returns it as it is with
+``loss_reduction="sum"``: raytrain divides by the global count. Batches arrive on the
+training device.
 
 Batched fetching (optional)::
 
@@ -161,17 +171,48 @@ class StepOutput:
     """Loss and metrics of one batch.
 
     Attributes:
-        loss: scalar tensor, the mean loss over the batch's samples; backpropagated.
-        num_samples: number of samples in the batch, the weight of this batch's means.
-        metrics: extra scalar per-sample means to report (detached or not).
+        loss: scalar tensor, the mean loss over the batch's items (or their sum, see
+            ``loss_reduction``); backpropagated.
+        num_samples: the number of items the loss is a mean over (samples, real tokens,
+            nodes): the weight of this batch's means and of its gradient. An int, or a
+            one-element tensor (e.g. ``(labels != -100).sum()``) left on the device.
+        metrics: extra scalar per-item means to report (detached or not).
         counts: additive tensors (e.g. a confusion matrix), each of the same shape in every
             batch; summed over batches and workers for ``ModelSpec.metrics_from_counts``.
+        loss_reduction: ``"mean"`` (``loss`` is the mean over ``num_samples`` items) or
+            ``"sum"`` (``loss`` is their sum, as ``reduction="sum"`` gives): raytrain then
+            divides by the items of the whole global batch, and reports the mean.
     """
 
     loss: torch.Tensor
-    num_samples: int
+    num_samples: int | torch.Tensor
     metrics: Mapping[str, torch.Tensor] = field(default_factory=dict)
     counts: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    loss_reduction: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.loss_reduction not in ("mean", "sum"):
+            raise BadInputError(
+                f"StepOutput.loss_reduction={self.loss_reduction!r}; return 'mean' for a loss "
+                f"averaged over num_samples items or 'sum' for a loss summed over them"
+            )
+        count = self.num_samples
+        if isinstance(count, torch.Tensor) and count.numel() != 1:
+            raise BadInputError(
+                f"StepOutput.num_samples is a tensor of shape {tuple(count.shape)}; return "
+                f"the batch's number of items as an int or a one-element tensor"
+            )
+
+    @property
+    def mean_loss(self) -> torch.Tensor:
+        """The loss as a mean over the batch's items, what metrics report (a batch without
+        items has a summed loss of 0, and a mean of 0)."""
+        if self.loss_reduction == "mean":
+            return self.loss
+        count = self.num_samples
+        if isinstance(count, torch.Tensor):
+            return self.loss / torch.where(count > 0, count, 1).reshape(())
+        return self.loss / (count if count > 0 else 1)
 
 
 StepFn = Callable[[nn.Module, Any], StepOutput]

@@ -46,14 +46,22 @@ class Averages:
     def local_sums(self) -> dict[str, float]:
         return {key: float(value) for key, value in self.sums.items()}
 
-    def add(self, values: dict[str, torch.Tensor], num_samples: int) -> None:
+    def add(self, values: dict[str, torch.Tensor], num_samples: int | torch.Tensor) -> None:
+        """Add a batch's means weighted by its items, an int or a tensor left on the device
+        (neither is read back to the host here)."""
+        # A fill on the device, plus a tensor count there or on the CPU (added as a
+        # scalar): a copy from the host would wait for the device's queued work.
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        if isinstance(num_samples, torch.Tensor):
+            count = count + num_samples.detach().reshape(())
+        else:
+            count = count.fill_(float(num_samples))
         for key, value in values.items():
-            weighted = value.detach().double() * num_samples
+            weighted = value.detach().double() * count
             self.sums[key] = (
                 self.sums.get(key, torch.zeros((), dtype=torch.float64, device=self.device))
                 + weighted
             )
-        count = torch.tensor(float(num_samples), dtype=torch.float64, device=self.device)
         self.sums["_count"] = self.sums.get("_count", torch.zeros_like(count)) + count
 
     def global_means(self, prefix: str, keys: list[str]) -> dict[str, float]:

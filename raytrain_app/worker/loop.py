@@ -338,7 +338,7 @@ class WorkerLoop:
             with self.stepper.autocast():
                 out = self.spec.step(module, batch)
             if real:  # not a sharded model's repeated forward
-                averages.add({"loss": out.loss, **out.metrics}, out.num_samples)
+                averages.add({"loss": out.mean_loss, **out.metrics}, out.num_samples)
                 check_counts_hook(self.spec, out.counts)
                 counts.add(out.counts)
         # A rank with no validation samples still joins the reduces, with zeros.

@@ -1,5 +1,6 @@
 """One optimizer step's math: the accumulation window's forward and backward passes under
-the plan's precision, the ranks' agreement on the step, then the update or the skip.
+the plan's precision, each micro-batch weighted by its items (``item_weights.py``), the
+ranks' agreement on the step, then the update or the skip.
 
 Nothing here logs, reports or checkpoints; ``loop.py`` does that around each step.
 """
@@ -19,6 +20,7 @@ from raytrain_app.config import TrainConfig
 from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import ModelSpec
 from raytrain_app.worker.global_metrics import EpochProgress
+from raytrain_app.worker.item_weights import StepItems, backward_loss, rescale_gradients
 from raytrain_app.worker.model_companions import broadcast_buffers
 from raytrain_app.worker.step_agreement import AgreedFlags, StepAgreement
 from raytrain_app.worker.throughput import Throughput
@@ -36,8 +38,9 @@ def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractCon
 class StepOutcome:
     """What one step's micro-batches returned, and what every rank agreed on after it."""
 
-    micro_results: list[tuple[dict[str, torch.Tensor], int]]  # (loss and metrics, samples)
-    last_loss: torch.Tensor  # the last micro-batch's loss (for step-level tracking)
+    # (mean loss and metrics, items: StepOutput.num_samples) of each micro-batch
+    micro_results: list[tuple[dict[str, torch.Tensor], int | torch.Tensor]]
+    last_loss: torch.Tensor  # the last micro-batch's mean loss (for step-level tracking)
     metric_names: list[str]
     # Whether some rank's loss was NaN or infinite (every rank skips the step, or stops),
     # and whether some rank was asked to stop (every rank stops after this step).
@@ -79,6 +82,8 @@ class OptimizerStep:
         self.agreement = agreement
         self.device, self.world_size = device, world_size
         self.throughput = Throughput(module, plan, device)  # FLOPs per sample, the peak
+        # The step's items summed over every rank (on the device), by which apply() divides.
+        self._global_items: torch.Tensor | None = None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast_for(self.plan.precision, self.device)
@@ -92,10 +97,12 @@ class OptimizerStep:
 
     def forward_backward(self, batches: Iterator[Any], stop_requested: bool) -> StepOutcome:
         """Run the accumulation window's micro-batches; the ranks agree on the step's flags
-        in the last backward's gradient all-reduce."""
+        and sum its items in the last backward's gradient all-reduce."""
         accum = self.plan.grad_accum_steps
-        micro_results: list[tuple[dict[str, torch.Tensor], int]] = []
+        items_per_rank = self.plan.per_worker_batch_size * accum  # item_weights.py's c
+        micro_results: list[tuple[dict[str, torch.Tensor], int | torch.Tensor]] = []
         micro_counts: list[Mapping[str, torch.Tensor]] = []
+        items = StepItems()
         for micro in range(accum):
             last = micro == accum - 1
             # The run's first micro-batch is counted (worker.flop_count), uncompiled.
@@ -105,17 +112,26 @@ class OptimizerStep:
             with self._sync_context(last), counting:
                 with self.autocast():
                     out = self.spec.step(model, next(batches))
-                micro_results.append(({"loss": out.loss, **out.metrics}, out.num_samples))
+                micro_results.append(({"loss": out.mean_loss, **out.metrics}, out.num_samples))
                 micro_counts.append(out.counts)
-                if last:  # the flags travel with this backward's gradient all-reduce
-                    self.agreement.send(_step_flags(micro_results, stop_requested))
-                self.scaler.scale(out.loss / accum).backward()
-        flags = self.agreement.receive_flags()
-        return StepOutcome(micro_results, out.loss, list(out.metrics), flags, micro_counts)
+                items.add(out.num_samples)
+                if last:  # the flags and items travel with this backward's all-reduce
+                    flags = _step_flags(micro_results, stop_requested)
+                    self.agreement.send(flags, items.total(flags))
+                self.scaler.scale(backward_loss(out, items_per_rank)).backward()
+        agreed = self.agreement.receive_flags()
+        self._global_items = agreed.items
+        last_loss = micro_results[-1][0]["loss"]
+        return StepOutcome(micro_results, last_loss, list(out.metrics), agreed, micro_counts)
 
     def apply(self, step: int) -> None:
         """Clip, update the weights and the schedule; then the EMA, as of optimizer ``step``
         (the step just taken, counted from 1)."""
+        # The mean over every item of the global batch (item_weights.py), before clipping.
+        assert self._global_items is not None, "apply() follows forward_backward()"
+        rescale_gradients(
+            self.model.parameters(), self.plan.effective_batch_size, self._global_items
+        )
         if self.train.grad_clip is not None:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
@@ -165,5 +181,5 @@ def _step_flags(micro_results: list, stop_requested: bool) -> torch.Tensor:
     Every rank then skips, stops or checkpoints at the same step (``StepAgreement``).
     """
     losses = torch.stack([values["loss"].detach().float() for values, _ in micro_results])
-    stop = torch.tensor(float(stop_requested), device=losses.device)
+    stop = losses.new_full((), float(stop_requested))  # a fill: no copy from the host
     return torch.stack([(~torch.isfinite(losses).all()).float(), stop])

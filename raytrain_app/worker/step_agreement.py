@@ -1,13 +1,15 @@
 """What every rank must agree on after each step: did any rank's loss go non-finite, did the
 driver ask to stop. A rank that skipped, stopped or checkpointed at another step than the
-others would hang the next collective.
+others would hang the next collective. The same sum carries the step's items over every
+rank, by which the gradients are divided (``worker/item_weights.py``).
 
 DDP all-reduces the gradients once per optimizer step anyway, so with its default all-reduce
 the flags ride along in the step's last gradient bucket (a communication hook): a separate
 tiny all-reduce per step costs measurably more (benchmarks/README.md). Under torch.compile
 too: DDP's reducer, and with it the hook, runs outside the compiled graphs. Where another
-hook owns the all-reduce (gradient compression), under FSDP or with a single worker, one
-tiny all-reduce per step carries them instead.
+hook owns the all-reduce (gradient compression), under FSDP, with parameters of less than
+fp32 (a bucket of bf16 would round the count of items) or with a single worker, one tiny
+all-reduce per step (float64) carries them instead.
 
 Reading the agreed flags on the host is the decision to make per step. On CPU they are
 read at once, as they always were. On a GPU a read (``.tolist()``) would wait for the
@@ -43,14 +45,20 @@ class StepAgreement:
         self._local: torch.Tensor | None = None
         self._agreed: torch.Tensor | None = None
         self.fused = (
-            fuse and world_size > 1 and isinstance(model, nn.parallel.DistributedDataParallel)
+            fuse
+            and world_size > 1
+            and isinstance(model, nn.parallel.DistributedDataParallel)
+            and all(p.dtype in _EXACT_DTYPES for p in model.parameters() if p.requires_grad)
         )
         if self.fused:
             model.register_comm_hook(self, _all_reduce_with_flags)
 
-    def send(self, flags: torch.Tensor) -> None:
-        """This rank's flags (1.0 for yes), before the backward pass of the step's last
-        micro-batch: the one in which DDP all-reduces the gradients."""
+    def send(self, flags: torch.Tensor, items: torch.Tensor | None = None) -> None:
+        """This rank's flags (1.0 for yes) and the step's items (a scalar, summed over the
+        ranks), before the backward pass of the step's last micro-batch: the one in which
+        DDP all-reduces the gradients."""
+        if items is not None:
+            flags = torch.cat([flags.double(), items.double().reshape(1)])
         self._local, self._agreed = flags, None
 
     def receive_flags(self) -> AgreedFlags:
@@ -62,13 +70,14 @@ class StepAgreement:
         else:
             agreed = self._local
             if self.world_size > 1 and dist.is_initialized():
-                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+                dist.all_reduce(agreed, op=dist.ReduceOp.SUM)  # as the fused: counts add
         self._local = self._agreed = None
         return AgreedFlags(agreed, self.read_late)
 
 
 class AgreedFlags:
-    """One step's flags as every rank agreed them: [a loss was non-finite, stop].
+    """One step's flags as every rank agreed them: [a loss was non-finite, stop], and the
+    step's items over every rank (``items``: a scalar on the device; None if not sent).
 
     A CUDA tensor is copied into pinned host memory without blocking the host; the values
     are read once that copy's event has completed (``ready``), waiting only if it has not.
@@ -76,6 +85,8 @@ class AgreedFlags:
 
     def __init__(self, agreed: torch.Tensor, read_late: bool) -> None:
         self.read_late = read_late
+        self.items = agreed[2] if len(agreed) > 2 else None
+        agreed = agreed[:2]
         self._event = None
         if agreed.device.type == "cuda":
             host = torch.empty(agreed.shape, dtype=agreed.dtype, pin_memory=True)
@@ -107,11 +118,16 @@ class AgreedFlags:
         return self.values()[1]
 
 
+# The dtypes whose gradient buckets carry a count of items exactly (up to 2**24 in fp32).
+_EXACT_DTYPES = (torch.float32, torch.float64)
+
+
 # DDP checks a hook's annotations against its classes, which this module's postponed
 # (string) annotations are not: (agreement, bucket: GradBucket) -> Future[Tensor].
 def _all_reduce_with_flags(agreement, bucket):
     """DDP's default all-reduce (divide by the world size, then sum) with the flags appended
-    to the step's last bucket; they come back as the number of ranks that set each."""
+    to the step's last bucket; they come back as the number of ranks that set each, and the
+    items as their sum over the ranks."""
     buffer = bucket.buffer().div_(agreement.world_size)
     flags = agreement._local if bucket.is_last() else None
     if flags is not None:

@@ -1,6 +1,8 @@
 """StepAgreement on two real gloo processes (no Ray): a flag set on one rank reaches both,
-fused into DDP's gradient all-reduce or on its own, the fused gradients are the plain
-DDP's to the bit, and in the worker loop both ranks act on the flags at the same step."""
+and both ranks get the step's items summed over the ranks, fused into DDP's gradient
+all-reduce or on its own (a model with bf16 parameters is not fused: its buckets would
+round the count), the fused gradients are the plain DDP's to the bit, and in the worker
+loop both ranks act on the flags at the same step."""
 
 from __future__ import annotations
 
@@ -42,20 +44,30 @@ def _steps(rank: int, fuse: bool) -> dict:
     agreement = StepAgreement(model, world_size=2, fuse=fuse)
     assert agreement.fused == fuse
     inputs = torch.randn(len(FLAGS), 2, 4, 300, generator=torch.Generator().manual_seed(1))
-    agreed, grads = [], []
+    agreed, items, grads = [], [], []
     for step, flags in enumerate(FLAGS):
         model.zero_grad(set_to_none=True)
         loss = model(inputs[step, rank]).square().mean()
-        agreement.send(torch.tensor(flags[rank]))
+        agreement.send(torch.tensor(flags[rank]), torch.tensor(_items(step, rank)))
         loss.backward()
-        agreed.append(agreement.receive_flags().values())
+        received = agreement.receive_flags()
+        agreed.append(received.values())
+        items.append(float(received.items))
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-    return {"agreed": agreed, "grads": torch.stack(grads)}
+    return {"agreed": agreed, "items": items, "grads": torch.stack(grads)}
+
+
+def _items(step: int, rank: int) -> float:
+    return 1000.0 * step + 17 * rank + 3  # counts a bf16 sum would round
 
 
 def _both_ways(rank: int) -> dict:
     torch.set_num_threads(1)
-    return {fuse: _steps(rank, fuse) for fuse in (True, False)}
+    bf16 = DistributedDataParallel(_model().to(torch.bfloat16))
+    return {
+        **{fuse: _steps(rank, fuse) for fuse in (True, False)},
+        "bf16_fused": StepAgreement(bf16, world_size=2, fuse=True).fused,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +79,13 @@ def two_ranks(tmp_path_factory) -> list[dict]:
 def test_a_flag_set_on_one_rank_reaches_every_rank(two_ranks, fuse):
     expected = [[any(column) for column in zip(*flags, strict=True)] for flags in FLAGS]
     assert two_ranks[0][fuse]["agreed"] == two_ranks[1][fuse]["agreed"] == expected
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_every_rank_gets_the_steps_items_summed_over_the_ranks(two_ranks, fuse):
+    expected = [_items(step, 0) + _items(step, 1) for step in range(len(FLAGS))]
+    assert two_ranks[0][fuse]["items"] == two_ranks[1][fuse]["items"] == expected
+    assert not two_ranks[0]["bf16_fused"]
 
 
 def test_fused_flags_leave_the_gradients_as_plain_ddp_averages_them(two_ranks):
