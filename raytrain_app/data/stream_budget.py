@@ -18,6 +18,12 @@ from raytrain_app.data.stream_series import ReadUnit
 # blocks read, the pieces its map tasks cut them into and the reduce tasks' sorted blocks
 # (Ray Data frees a stage's inputs only when the whole sort is done).
 SHUFFLE_COPIES = 3
+# A shuffle task holds up to this many blocks in its own memory beyond an idle worker's:
+# its input (read, or gathered from the sort's pieces), the copy it sorts or cuts, and
+# Arrow's and Python's buffers around them; as many such tasks run at once as CPUs. Measured
+# (private PSS above an idle worker's): 2.5 blocks of 32 MiB, 3.4 of 16 MiB; the whole pass
+# within this budget: tests/distributed/test_stream_prepare_on_ray.py.
+SHUFFLE_TASK_COPIES = 4
 
 
 @dataclass(frozen=True)

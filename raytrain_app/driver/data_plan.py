@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from raytrain_app.config import RaytrainConfig
+from raytrain_app.data.stream_budget import SHUFFLE_TASK_COPIES
 from raytrain_app.data.stream_order import stream_steps_per_epoch
 from raytrain_app.data.stream_prepare import locate_store
 from raytrain_app.driver.run_directory import RunDirectory
@@ -95,6 +96,7 @@ def _prepare_line(budget: dict[str, Any]) -> str:
     return (
         f"              prepare pass: shuffle (series interleaved in the files) of "
         f"{mib['data_bytes']:.1f} MiB in {budget['tasks']} block(s) of about "
-        f"{mib['task_bytes']:.1f} MiB a task; up to {mib['object_store_bytes']:.1f} MiB in "
-        "Ray's object store, spilled to disk beyond it"
+        f"{mib['task_bytes']:.1f} MiB (a task holding up to "
+        f"{SHUFFLE_TASK_COPIES * mib['task_bytes']:.1f} MiB, one a CPU); up to "
+        f"{mib['object_store_bytes']:.1f} MiB in Ray's object store, spilled to disk beyond it"
     )

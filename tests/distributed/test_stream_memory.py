@@ -25,8 +25,6 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,10 +34,11 @@ import pytest
 import yaml
 from fault_runs import cli_env
 from stream_data import stream_run_config
+from tree_memory import TreePeak
 
 from raytrain_app.data.stream_prepare import locate_store
 from raytrain_app.testing.isolation import ray_temp_dir
-from raytrain_app.testing.processes import descendants, stop_processes_naming
+from raytrain_app.testing.processes import stop_processes_naming
 from raytrain_app.tracking.metrics_log import read_metrics
 from raytrain_app.worker.stream_batches import read_ahead_bytes
 
@@ -74,23 +73,6 @@ def _write_data(folder: Path, series: int) -> int:
     return series * ROWS_PER_SERIES * (len(FEATURES) + 1) * 8
 
 
-def _pss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:  # it exited while we looked
-        pass
-    return 0
-
-
-def _name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()[:60]
-    except OSError:
-        return "?"
-
-
 def _peak_rss_bytes(pid: int) -> int:
     """The process's high-water mark of resident memory (VmHWM): its exact peak, whenever
     it was reached, however briefly."""
@@ -110,34 +92,19 @@ def _is_train_worker(pid: int) -> bool:
         return False
 
 
-class _PeakSampler(threading.Thread):
-    """Samples a command and every process it started until stopped: the training
-    worker's and the driver's peak resident memory, the driver's PSS and the tree's."""
+class _PeakSampler(TreePeak):
+    """Samples a command and every process it started until stopped: the tree's PSS, and
+    the training worker's and the driver's peak resident memory and the driver's PSS."""
 
     def __init__(self, driver: int) -> None:
-        super().__init__(daemon=True)
-        self.driver = driver
-        self.worker_peak = self.driver_peak = self.driver_hwm = self.tree_peak = 0
-        self.tree_at_peak: list[tuple[int, str]] = []  # (MiB, process) of the larger ones
-        self._stop_event = threading.Event()
+        super().__init__(driver)
+        self.worker_peak = self.driver_peak = self.driver_hwm = 0
 
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            sizes = {pid: _pss_bytes(pid) for pid in {self.driver, *descendants(self.driver)}}
-            workers = [_peak_rss_bytes(pid) for pid in sizes if _is_train_worker(pid)]
-            self.worker_peak = max(self.worker_peak, *workers, 0)
-            self.driver_peak = max(self.driver_peak, sizes[self.driver])
-            self.driver_hwm = max(self.driver_hwm, _peak_rss_bytes(self.driver))
-            if sum(sizes.values()) > self.tree_peak:
-                self.tree_peak = sum(sizes.values())
-                self.tree_at_peak = sorted(
-                    (size >> 20, _name(pid)) for pid, size in sizes.items() if size > 20 << 20
-                )
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join()
+    def observe(self, sizes: dict[int, int]) -> None:
+        workers = [_peak_rss_bytes(pid) for pid in sizes if _is_train_worker(pid)]
+        self.worker_peak = max(self.worker_peak, *workers, 0)
+        self.driver_peak = max(self.driver_peak, sizes[self.root])
+        self.driver_hwm = max(self.driver_hwm, _peak_rss_bytes(self.root))
 
 
 def _train_sampled(config: dict, folder: Path) -> tuple[_PeakSampler, str]:

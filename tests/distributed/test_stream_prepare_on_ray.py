@@ -1,8 +1,11 @@
 """The streaming prepare pass on Ray Data: the same bytes as in process, by the shuffle and
-by the direct path (no shuffle, seen in Ray Data's stats), one-line errors, and data and
-prepared store both in an object store (the S3 test server)."""
+by the direct path (no shuffle, seen in Ray Data's stats), interleaved data within the
+shuffle's documented memory budget, one-line errors, and data and prepared store both in an
+object store (the S3 test server)."""
 
 from __future__ import annotations
+
+import os
 
 import pyarrow.parquet as pq
 import pytest
@@ -15,13 +18,16 @@ from stream_data import (
     store_files,
     stream_run_config,
     write_files,
+    write_interleaved,
     write_series_files,
 )
+from tree_memory import TreePeak, tree_pss
 
 import raytrain_app as rt
 from raytrain_app.data import stream_prepare
+from raytrain_app.data.stream_budget import SHUFFLE_TASK_COPIES
 from raytrain_app.data.stream_direct import footer_units
-from raytrain_app.data.stream_prepare import prepare_stream
+from raytrain_app.data.stream_prepare import locate_store, prepare_stream
 from raytrain_app.errors import BadInputError
 from raytrain_app.planning.environment import variables_set
 from raytrain_app.planning.store_variables import S3_VARIABLES
@@ -94,6 +100,53 @@ def test_ray_data_writes_the_same_bytes_as_the_in_process_pass(
 
 def series_files(location: str) -> dict[str, bytes]:
     return {name: data for name, data in store_files(location).items() if name != "manifest.json"}
+
+
+# Interleaved data for the budget: 32 series of 120k rows, 205 MiB as the pass holds them,
+# read in blocks of 24 MiB (9 blocks; in Ray Data's default 128 MiB, as many would need 1.1
+# GiB). The object store's three copies, 615 MiB, are most of the budget: the data is more
+# than the tasks may hold (2 CPUs x 4 blocks), so a fourth copy could not fit.
+BUDGET_SERIES, BUDGET_ROWS, BUDGET_BLOCK = 32, 120_000, 24 << 20
+
+
+def test_interleaved_data_is_prepared_within_the_documented_budget(
+    ray_cluster, source, tmp_path, monkeypatch
+):
+    """The PSS of this process and of every process it started (the session's Ray: GCS,
+    raylet, the object store's shared pages counted once, the workers) stays within its
+    size just before the pass plus the shuffle's documented budget: ``object_store_bytes``
+    (the data three times over) and ``SHUFFLE_TASK_COPIES`` blocks in each task running at
+    once, one a CPU. The pool's workers first run a pass of each path on the small data,
+    so that what they import (Ray Data, pyarrow) is in that size, as Ray's own (store
+    pages an earlier test's workers touched are in it too: the bound then errs lenient).
+
+    Measured here: 732-741 MiB above 1575-1594 MiB, allowed 797. A block per row group
+    (77, the shuffle before blocks of the target size) went 925 MiB above, the driver
+    from 308 to 693 MiB: it fails."""
+    from ray.data.context import DataContext
+
+    prepare(str(source), tmp_path / "warm")
+    prepare(str(write_series_files(tmp_path / "grouped", series_table())), tmp_path / "warm")
+    monkeypatch.setattr(DataContext.get_current(), "target_max_block_size", BUDGET_BLOCK)
+    data = str(write_interleaved(tmp_path / "interleaved", BUDGET_SERIES, BUDGET_ROWS))
+    budget = locate_store(data, PARAMS, tmp_path / "cache").budget()
+    cpus = int(ray_cluster["CPU"])
+    tasks_bytes = cpus * SHUFFLE_TASK_COPIES * budget.task_bytes
+    assert budget.path == "shuffle" and budget.tasks >= 4 * cpus
+    assert budget.data_bytes > tasks_bytes  # one more copy of the data would not fit
+    with TreePeak(os.getpid(), interval_s=0.05) as sampler:
+        baseline = sum(tree_pss(os.getpid()).values())
+        prepared = prepare_stream(data, PARAMS, tmp_path / "cache")
+    assert prepared.path == "shuffle"
+    allowed = baseline + budget.object_store_bytes + tasks_bytes
+    shown = {  # MiB
+        "data": budget.data_bytes >> 20,
+        "baseline": baseline >> 20,
+        "allowed": allowed >> 20,
+        "peak": sampler.tree_peak >> 20,
+        "at the peak": sampler.tree_at_peak,
+    }
+    assert sampler.tree_peak <= allowed, shown
 
 
 def test_a_bad_series_in_a_ray_task_is_the_one_line_error(ray_cluster, source, tmp_path):

@@ -79,6 +79,28 @@ def write_series_files(folder: Path, table: pa.Table, row_group_size: int = 40) 
     return folder
 
 
+def write_interleaved(folder: Path, series: int, rows: int, files: int = 4) -> Path:
+    """``series`` series of ``rows`` rows each (the columns of ``PARAMS``, no gaps), every
+    file holding a stretch of hours of every series in random order, in row groups of 50k
+    rows that each hold every series: the prepare pass shuffles. Written a file at a time."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(series)
+    edges = np.linspace(0, rows, files + 1).astype(int)
+    for k in range(files):
+        hours = np.arange(edges[k], edges[k + 1])
+        order = rng.permutation(series * len(hours))
+        size = len(order)
+        table = pa.table(
+            {
+                "turbine": np.repeat(np.arange(series), len(hours))[order],
+                "hour": np.tile(hours, series)[order],
+                **{name: rng.normal(size=size) for name in ("wind", "temp", "power")},
+            }
+        )
+        pq.write_table(table, folder / f"part-{k}.parquet", row_group_size=50_000)
+    return folder
+
+
 def store_files(location: str) -> dict[str, bytes]:
     """Every file of a prepared store (relative name -> bytes)."""
     root = StorageLocation.parse(location, "test")

@@ -60,6 +60,7 @@ def test_interleaved_series_are_planned_as_a_shuffle_with_its_object_store_budge
     line = "\n".join(data_plan_line(found))
     assert "prepare pass: shuffle (series interleaved in the files)" in line
     assert "spilled to disk beyond it" in line
+    assert "(a task holding up to 0.1 MiB, one a CPU)" in line  # four blocks of 32 KB
     # once prepared, nothing is left to run: the plan shows the store instead
     prepare_stream(str(source), PARAMS, tmp_path / "cache")
     assert "prepare" not in described(tmp_path, source)
