@@ -17,6 +17,7 @@ from raytrain_app.config import ConfigError, RaytrainConfig, config_from_dict, l
 from raytrain_app.errors import BadInputError, RunFailedError
 
 if TYPE_CHECKING:
+    from raytrain_app.checkpoint.export import export_hf
     from raytrain_app.checkpoint.loading import load_model
     from raytrain_app.protocol import CollatedBatch, DataSplits, ModelSpec, StepOutput
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 # `raytrain submit` and a job's client never pay for torch they do not use.
 _LAZY = {
     "load_model": "raytrain_app.checkpoint.loading",
+    "export_hf": "raytrain_app.checkpoint.export",
     "CollatedBatch": "raytrain_app.protocol",
     "DataSplits": "raytrain_app.protocol",
     "ModelSpec": "raytrain_app.protocol",
@@ -47,6 +49,7 @@ __all__ = [
     "RunFailedError",
     "StepOutput",
     "config_from_dict",
+    "export_hf",
     "load_config",
     "load_model",
     "plan",

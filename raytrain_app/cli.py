@@ -135,6 +135,15 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from raytrain_app.checkpoint.export import export_hf
+
+    config = load_config(args.config, ()) if args.config else None
+    folder = export_hf(args.checkpoint, args.output, trust_code=args.trust_code, config=config)
+    print(f"exported to {folder}: load it with from_pretrained('{folder}')")
+    return 0
+
+
 def _cmd_submit(args: argparse.Namespace) -> int:
     from raytrain_app import jobs
 
@@ -189,6 +198,7 @@ _COMMANDS = {
     "plan": _cmd_plan,
     "tune": _cmd_tune,
     "predict": _cmd_predict,
+    "export": _cmd_export,
     "submit": _cmd_submit,
     "jobs": _cmd_jobs,
 }

@@ -145,6 +145,32 @@ def _add_predict_flags(predict: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_export_flags(export: argparse.ArgumentParser) -> None:
+    export.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="PATH",
+        help="checkpoint directory, or run directory (its best checkpoint by train.monitor)",
+    )
+    export.add_argument(
+        "--output",
+        required=True,
+        metavar="DIR",
+        help="a new folder for config.json and model.safetensors (from_pretrained reads it)",
+    )
+    export.add_argument(
+        "--config",
+        "-c",
+        metavar="PATH",
+        help="your config: the model factory it names may be called",
+    )
+    _add_trust_flag(
+        export,
+        "call the model factory the checkpoint names even if it is not built in: only for "
+        "run directories whose writers you trust (a checkpoint is data)",
+    )
+
+
 def _add_trust_flag(parser: argparse.ArgumentParser, text: str) -> None:
     """``--trust-code``: every command that loads what a run directory holds takes it."""
     parser.add_argument("--trust-code", action="store_true", help=text)
@@ -229,6 +255,11 @@ def build_parser(parser_class: type[_Parser] = _Parser) -> argparse.ArgumentPars
     _add_jobs_actions(commands.add_parser("jobs", help="manage submitted jobs"))
     _add_predict_flags(
         commands.add_parser("predict", help="single-device inference from a checkpoint")
+    )
+    _add_export_flags(
+        commands.add_parser(
+            "export", help="write a checkpoint's Hugging Face model as save_pretrained does"
+        )
     )
     return parser
 

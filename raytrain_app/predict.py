@@ -6,7 +6,7 @@ import fnmatch
 import glob
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -134,6 +134,7 @@ def predict(
     predictions, truths = [], []
     with torch.no_grad():
         for batch in DataLoader(splits.val, batch_size, collate_fn=splits.batch_collate()):
+            _refuse_mappings(batch, ref)
             predictions.append(predict_fn(spec.module, batch).numpy())
             truths.append(batch[1].numpy())
     columns = _prediction_columns(
@@ -141,6 +142,18 @@ def predict(
     )
     pq.write_table(pa.table(columns), output)
     return output
+
+
+def _refuse_mappings(batch: Any, data_ref: FactoryRef) -> None:
+    """Refuse a batch that is a Mapping (a Hugging Face model's ``input_ids``/``labels``):
+    predict writes a row per sample from ``(inputs, targets)``."""
+    if isinstance(batch, Mapping):
+        raise BadInputError(
+            f"raytrain predict writes a row per sample from (inputs, targets) batches, and "
+            f"{data_ref.target!r} gives {type(batch).__name__} batches (keys "
+            f"{', '.join(map(str, batch))}); load the model with load_model (or, a Hugging "
+            f"Face model, raytrain export) and predict in your own code"
+        )
 
 
 def _prediction_columns(pred: np.ndarray, true: np.ndarray, info: dict) -> dict:

@@ -198,6 +198,17 @@ def test_predict_refuses_a_checkpoint_naming_a_process_launcher(workspace, cli, 
     assert not (workspace / "predictions.parquet").exists()
 
 
+def test_export_refuses_a_checkpoint_naming_a_process_launcher(workspace, cli):
+    _name_launcher(workspace, "model_factory")
+
+    done = cli(workspace, "export", "--checkpoint", f"runs/{NAME}", "--output", "exported")
+    message = _one_line_error(done)
+
+    assert "'process_launcher:launch'" in message and "--trust-code" in message, message
+    assert _ran(workspace) == []
+    assert not (workspace / "exported").exists()
+
+
 def test_load_model_refuses_it_and_runs_it_only_when_the_caller_trusts_the_code(
     workspace, monkeypatch
 ):
