@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -96,25 +97,32 @@ def test_best_config_trains_distributed_with_the_trials_batch(asha_sweep, capsys
     assert plan["lr"] == pytest.approx(3.0e-3)  # the tuned lr, not rescaled
 
 
-def test_a_trial_that_raises_does_not_fail_the_sweep(ray_cluster, tmp_path):
-    cfg = sweep(
-        tmp_path,
-        "failing",
-        {
+def test_a_trial_that_raises_does_not_fail_a_sweep_of_the_hugging_face_example(
+    ray_cluster, tmp_path
+):
+    """The Hugging Face example (examples/hf_causal_lm.py, a Llama from its config) under
+    Tune: one trial trains it, the other's model factory raises and is one failed trial."""
+    cfg = {
+        "experiment": {"name": "failing", "output_dir": str(tmp_path)},
+        "model": {"target": "hf_causal_lm:build_model", "params": {"hidden": 32, "layers": 1}},
+        "data": {"target": "hf_causal_lm:build_data", "params": {"num_samples": 160}},
+        "train": {"epochs": 1, "global_batch_size": 16, "lr": 3.0e-3},
+        "tune": {
             "scheduler": "fifo",
             "num_samples": 1,  # the grid's two trials, once each
-            # nhead=3 cannot divide d_model=16: that trial's model factory raises.
-            "param_space": {"model.params.nhead": {"grid": [4, 3]}},
+            # heads=3 cannot divide hidden=32: that trial's model factory raises.
+            "param_space": {"model.params.heads": {"grid": [4, 3]}},
         },
-    )
-    cfg["train"] = {"epochs": 1}
+    }
     result = rt.tune(cfg)
     assert len(result.trials) == 2
-    by_head = dict(zip(result.trials["model.params.nhead"], result.trials["status"], strict=True))
+    by_head = dict(zip(result.trials["model.params.heads"], result.trials["status"], strict=True))
     assert by_head == {4: "completed", 3: "error"}
     error = result.trials.loc[result.trials["status"] == "error", "error"].iloc[0]
-    assert "nhead" in error
-    assert result.best_config.model.params["nhead"] == 4
+    assert "model.params.heads 3" in error
+    assert result.best_config.model.params["heads"] == 4
+    assert result.best_metrics["val_loss"] < math.log(256)  # it learned from a uniform guess
+    assert "val_accuracy" in result.best_metrics  # the example's own metric, per token
 
 
 def _trial_pids(run_dir) -> dict[str, set[int]]:
