@@ -42,8 +42,8 @@ def hf_task(root: Path, world_size: int, **train: object) -> WorkerTask:
 
 
 class TwoRankSession(LocalSession):
-    """One of two gloo ranks; both die together once ``crash_after`` checkpoints are
-    persisted (every rank is told each checkpoint's name)."""
+    """One of two gloo ranks; both die together at the ``crash_after``-th checkpoint
+    (every rank is told each checkpoint's name)."""
 
     def __init__(self, storage: Path, crash_after: int | None = None) -> None:
         super().__init__(storage)
@@ -53,8 +53,6 @@ class TwoRankSession(LocalSession):
         super().report(metrics, saved, name)
         self.named += name is not None
         if self.crash_after_named is not None and self.named >= self.crash_after_named:
-            if saved is not None:
-                saved.result()  # written in the background: die once it is persisted
             raise Crash
 
 
