@@ -41,8 +41,11 @@ def shared() -> Iterator[Path]:
 
 
 @pytest.fixture
-def umask() -> Iterator[Callable[[int], None]]:
-    """Sets this process's umask for the test, as the user's shell would."""
+def umask(monkeypatch) -> Iterator[Callable[[int], None]]:
+    """Sets this process's umask for the test, as the user's shell would. The prepare pass
+    runs in this process too: beside the distributed tier's session Ray (``pytest -n``) it
+    would otherwise run in Ray's workers, whose umask is the one Ray started with."""
+    monkeypatch.setattr("raytrain_app.data.stream_prepare._ray_initialized", lambda: False)
     before = os.umask(0o022)
     yield os.umask
     os.umask(before)
