@@ -1,7 +1,8 @@
 """Item-weighted gradients (issue 39): where the loss is a mean over a varying number of
 items (real tokens of padded sequences, nodes of batched graphs), 1 worker, 1 worker with 2
 micro-batches and 2 gloo workers (no Ray) train the same weights to float rounding, and a
-step returning the summed loss (``loss_reduction="sum"``) trains what the mean does."""
+step returning the summed loss (``loss_reduction="sum"``) trains what the mean does; a
+token-weighted run resumes mid-epoch exactly."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_ranks import run_on_two_ranks
-from loop_harness import LocalSession, run_loop, without_timings, worker_task
+from loop_harness import (
+    Crash,
+    LocalSession,
+    assert_same_run,
+    run_loop,
+    without_timings,
+    worker_task,
+)
 
 from raytrain_app.config import config_from_dict
 from raytrain_app.worker.loop import WorkerLoop, WorkerTask
@@ -25,13 +33,22 @@ WORKLOADS = {
 ROUNDING = 1e-6
 
 
-def _task(root: Path, workload: str, world_size: int = 1, micro: int | None = None, **params):
+def _task(
+    root: Path, workload: str, world_size: int = 1, micro: int | None = None, **params
+) -> WorkerTask:
+    train = params.pop("train", {})
     data, model = WORKLOADS[workload]
     raw = {
         "experiment": {"name": "items", "output_dir": str(root / "runs"), "seed": 5},
         "model": {"target": model, "params": params},
         "data": {"target": data, "params": {}},
-        "train": {"epochs": 2, "global_batch_size": 16, "lr": 0.02, "max_batch_per_worker": micro},
+        "train": {
+            "epochs": 2,
+            "global_batch_size": 16,
+            "lr": 0.02,
+            "max_batch_per_worker": micro,
+            **train,
+        },
         "scaling": {"num_workers": world_size},
         "distributed": {"backend": "gloo"},
         "dataloader": {"num_workers": 0},
@@ -103,3 +120,14 @@ def test_one_worker_two_micro_batches_and_two_workers_train_the_same_weights(run
 @pytest.mark.parametrize("split", ["micro", "two"])
 def test_a_summed_loss_with_its_count_trains_what_the_mean_does(runs, workload, split):
     _assert_same_training(runs, f"{workload}/{split}", f"{workload}/{split}_sum")
+
+
+def test_a_token_weighted_run_resumes_mid_epoch_exactly(tmp_path):
+    every = {"train": {"checkpoint_every_steps": 3}}  # 8 steps per epoch
+    reference = run_loop(
+        _task(tmp_path / "a", "tokens", micro=8, **every), LocalSession(tmp_path / "ac")
+    )
+    task, storage = _task(tmp_path / "b", "tokens", micro=8, **every), tmp_path / "bc"
+    with pytest.raises(Crash):  # step 9: 1 step into epoch 2, its token-weighted sums saved
+        run_loop(task, LocalSession(storage, crash_after_checkpoints=4))
+    assert_same_run(run_loop(task, LocalSession(storage)), reference)
