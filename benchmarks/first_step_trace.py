@@ -1,32 +1,41 @@
-"""``raytrain`` CLI with timestamps of the driver's start-up phases (benchmark only).
+"""``raytrain`` CLI with timestamps of the driver's start-up (benchmark only).
 
     python -m benchmarks.first_step_trace STAMP_FILE train --config ...
 
-Same as ``raytrain train ...``, but appends JSON lines to STAMP_FILE: the interpreter is
-up, torch / ray / Ray Train / raytrain are imported, ``ray.init`` begins and ends, the
-driver's preflight (data generation, checks) begins and ends, ``TorchTrainer.fit`` begins.
-It only wraps functions with timers; raytrain itself is unchanged.
+Same as ``raytrain train ...``, importing what it imports in the order it does, but appends
+JSON lines to STAMP_FILE: the interpreter is up; the imports of ray, torch, Ray Train's
+torch package and raytrain's driver begin and end (``<name>_import_start``,
+``<name>_imported``); ``ray.init`` begins and ends (in whichever thread calls it); the
+driver's checks before Ray (``Launch.checked``), its preflight (data generation, checks)
+and ``TorchTrainer.fit`` begin. It only wraps functions with timers as their modules load;
+raytrain itself is unchanged.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import json
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 _STAMP_FILE = sys.argv[1]
+_LOCK = threading.Lock()
 
 
 def stamp(event: str) -> None:
-    with open(_STAMP_FILE, "a") as handle:
-        handle.write(json.dumps({"event": event, "t": time.time(), "pid": os.getpid()}) + "\n")
+    line = {"event": event, "t": time.time(), "pid": os.getpid()}
+    with _LOCK, open(_STAMP_FILE, "a") as handle:
+        handle.write(json.dumps(line) + "\n")
 
 
-def timed(function, name: str):
+def timed(function: Callable, name: str) -> Callable:
     @functools.wraps(function)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         stamp(f"{name}_start")
         try:
             return function(*args, **kwargs)
@@ -36,24 +45,73 @@ def timed(function, name: str):
     return wrapper
 
 
+def _wrap_ray_init(ray: Any) -> None:
+    ray.init = timed(ray.init, "ray_init")
+
+
+def _wrap_checks(launch: Any) -> None:
+    launch.Launch.checked = classmethod(timed(launch.Launch.checked.__func__, "checks"))
+
+
+def _wrap_preflight(executors: Any) -> None:
+    executors.preflight = timed(executors.preflight, "preflight")
+
+
+def _wrap_fit(ray_train_torch: Any) -> None:
+    ray_train_torch.TorchTrainer.fit = timed(ray_train_torch.TorchTrainer.fit, "fit")
+
+
+# Module -> (the name its stamps carry, what to wrap in it once it is loaded).
+_TRACED: dict[str, tuple[str | None, Callable[[Any], None] | None]] = {
+    "ray": ("ray", _wrap_ray_init),
+    "torch": ("torch", None),
+    "ray.train.torch": ("ray_train", _wrap_fit),
+    "raytrain_app.driver.training": ("raytrain", None),
+    "raytrain_app.driver.launch": (None, _wrap_checks),
+    "raytrain_app.driver.executors": (None, _wrap_preflight),
+}
+
+
+class _ImportStamps(importlib.abc.MetaPathFinder):
+    """Stamps the start and end of the imports of ``_TRACED`` and wraps their functions
+    once loaded, whichever thread imports them."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in _TRACED:
+            return None
+        label, wrap = _TRACED.pop(name)
+        spec = next(
+            (
+                found
+                for finder in sys.meta_path
+                if finder is not self and hasattr(finder, "find_spec")
+                for found in [finder.find_spec(name, path, target)]
+                if found is not None
+            ),
+            None,
+        )
+        if spec is None or spec.loader is None:
+            return spec
+        if label:
+            stamp(f"{label}_import_start")
+        run = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            if wrap:
+                wrap(module)
+            if label:
+                stamp(f"{label}_imported")
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 def main() -> int:
     stamp("interpreter_ready")
-    import torch  # noqa: F401
-
-    stamp("torch_imported")
-    import ray
-
-    stamp("ray_imported")
-    import ray.train.torch
-
-    stamp("ray_train_imported")
+    sys.meta_path.insert(0, _ImportStamps())
     from raytrain_app import cli
-    from raytrain_app.driver import executors
 
-    stamp("raytrain_imported")
-    ray.init = timed(ray.init, "ray_init")
-    executors.preflight = timed(executors.preflight, "preflight")
-    ray.train.torch.TorchTrainer.fit = timed(ray.train.torch.TorchTrainer.fit, "fit")
     return cli.main(sys.argv[2:])
 
 
