@@ -3,7 +3,8 @@ every one of its processes listens on loopback, and its token file is readable b
 only. Issue 29: the ports listened on every interface, the token file was 0644.
 
 The embedded Ray runs in a subprocess (this process holds the session's Ray), with its own
-HOME and temp dir; the unit side is tests/unit/driver/test_ray_session.py."""
+HOME and temp dir; the unit side is tests/unit/driver/test_ray_session.py and
+test_ray_beside.py."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from raytrain_app.testing.isolation import isolated_env
 
 pytestmark = pytest.mark.distributed
 
-# raytrain's own session start, a task (so a worker process listens too), then every
-# listening socket of this process and all it started.
+# raytrain's own session start, as `raytrain train` makes it (begun in a background thread,
+# then taken over), a task (so a worker process listens too), then every listening socket
+# of this process and all it started.
 _PROBE = """
 import json, os
 import psutil, ray
-from raytrain_app.driver.ray_connection import ray_session
+from raytrain_app.driver.ray_connection import embedded_ray_beside, ray_session
 from raytrain_app.planning.environment import detect_environment
 
 def listening(process):
@@ -35,7 +37,7 @@ def listening(process):
 def worker_pid():
     return os.getpid()
 
-with ray_session(None, detect_environment()):
+with embedded_ray_beside(), ray_session(None, detect_environment()):
     worker_pid = ray.get(worker_pid.remote())
     me = psutil.Process()
     found = []
