@@ -95,8 +95,9 @@ def check_sources(model: ModelConfig, data: DataConfig) -> None:
     """Check that the model and data sections name something usable, without building either.
 
     Imports the factories and reads only the footers of Parquet files, so the driver can run it
-    before Ray starts: a wrong target or path fails in a second. Building the data and the
-    model (the driver's preflight) checks the rest.
+    before it uses Ray: a wrong target or path fails before any worker (an embedded Ray begun
+    beside the checks is stopped). Building the data and the model (the driver's preflight)
+    checks the rest.
     """
     from raytrain_app.data import parquet_windows
 
