@@ -64,11 +64,11 @@ def train(config=None, *, overrides=(), address=None, progress=True, local=False
 
     ``local=True``: in this process, without Ray (Ray Train's local mode), for debugging.
     """
-    from raytrain_app.driver.ray_connection import embedded_ray_beside
+    from raytrain_app.driver.run_start import run_begun
 
     cfg = _as_config(config, overrides)
     # A Ray started for this run starts beside the driver's imports and checks.
-    with embedded_ray_beside(address, local):
+    with run_begun(cfg, address, local):
         from raytrain_app.driver.training import train as _train
 
         return _train(cfg, address=address, progress=progress, local=local)

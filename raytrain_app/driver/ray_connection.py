@@ -264,9 +264,7 @@ def embedded_ray_beside(address: str | None = None, local: bool = False) -> Iter
     does nothing.
     """
     global _beside
-    # RAY_ADDRESS is Environment.ray_address: the run connects there.
-    elsewhere = local or address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()
-    if _beside is not None or elsewhere:
+    if _beside is not None or not ray_would_start_here(address, local):
         yield
         return
     _preimport_shared_ray_modules()
@@ -294,6 +292,14 @@ def _sigterm_exits() -> Iterator[None]:
     finally:
         if signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
             signal.signal(signal.SIGTERM, previous)
+
+
+def ray_would_start_here(address: str | None, local: bool) -> bool:
+    """Whether a run of ``address`` / ``local`` would start an embedded Ray in this process:
+    no cluster named (``RAY_ADDRESS`` is ``Environment.ray_address``), not local mode, and
+    no Ray up in this process yet."""
+    elsewhere = local or address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()
+    return not elsewhere
 
 
 def embedded_ray_starting() -> bool:

@@ -30,7 +30,7 @@ from dataclasses import replace
 from raytrain_app.driver.lease_stores import LeaseRecord, LeaseStore, StoredLease, lease_store
 from raytrain_app.driver.signals import sigterm_exits_through_finally
 from raytrain_app.errors import BadInputError, RunFailedError, first_line
-from raytrain_app.planning.environment import detect_environment
+from raytrain_app.planning.environment import detect_slurm
 from raytrain_app.worker.stop_request import lease_lost
 
 logger = logging.getLogger(__name__)
@@ -376,7 +376,7 @@ def refuse_if_held(root: str, command: str) -> None:
 
 
 def _this_holder(command: str) -> LeaseRecord:
-    slurm = detect_environment().slurm
+    slurm = detect_slurm(os.environ)  # not detect_environment: its GPU probe imports torch
     now = time.time()
     return LeaseRecord(
         token=uuid.uuid4().hex,

@@ -12,8 +12,11 @@ import pytest
 import ray
 
 from raytrain_app import cli
+from raytrain_app.config import load_config
 from raytrain_app.driver import executors, launch, ray_connection
 from raytrain_app.driver.ray_connection import embedded_ray_beside, ray_session
+from raytrain_app.driver.run_directory import RunDirectory
+from raytrain_app.driver.run_lease import hold_run_lease
 from raytrain_app.errors import BadInputError, RunFailedError
 from raytrain_app.planning.environment import Resources, detect_environment
 
@@ -187,3 +190,17 @@ def test_sigterm_while_ray_starts_beside_exits_through_its_shutdown(stood_in):
     assert exited.value.code == signal.SIGTERM
     assert stood_in.events == ["init_start", "init_end", "shutdown"]
     assert signal.getsignal(signal.SIGTERM) == before  # put back
+
+
+def test_a_run_directory_another_run_writes_is_refused_before_a_ray_starts_for_it(
+    stood_in, capsys, tmp_path
+):
+    # A second terminal's run of the same directory is refused at once, not after starting
+    # (and stopping) a Ray of its own beside its imports, while the first run trains.
+    cfg = load_config(None, [])
+    root = RunDirectory.for_config(cfg).location.uri
+    with hold_run_lease(root, "train", heartbeat_s=0.05, stale_after_s=30.0):
+        assert cli.main(["train", "--no-progress"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: run directory '{tmp_path / 'runs' / 'quickstart'}' is being")
+    assert stood_in.events == []
