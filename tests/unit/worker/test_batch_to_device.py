@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader
 
 from raytrain_app.config import config_from_dict
 from raytrain_app.protocol import ModelSpec, StepOutput, collate
-from raytrain_app.worker.memory_probe import fit_plan_to_memory
 from raytrain_app.worker.device_batches import _DeviceLoader, to_device
+from raytrain_app.worker.memory_probe import fit_plan_to_memory
 from raytrain_app.worker.session import InProcessSession, RayTrainSession
 
 META = torch.device("meta")
