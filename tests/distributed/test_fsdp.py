@@ -63,6 +63,7 @@ def runs(ray_cluster, tmp_path_factory):
         kill_at_call=KILL_AT_CALL,
         marker=str(marker),
         checkpoints_dir=str(out / "killed" / "checkpoints" / "killed"),
+        await_step=12,
     )
     runs = {
         "ddp": rt.train(_config(out, "ddp", "ddp"), progress=False),

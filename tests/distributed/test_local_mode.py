@@ -74,6 +74,7 @@ def _assert_ends_as(run_dir: Path, uninterrupted: tuple[list[dict], dict]) -> No
 def test_a_local_run_stops_at_a_breakpoint_and_after_a_crash_resumes_on_ray(
     ray_cluster, tmp_path, uninterrupted
 ):
+    run_dir = tmp_path / "runs" / "debugged"
     cfg = _config(
         tmp_path / "runs",
         "debugged",
@@ -81,7 +82,12 @@ def test_a_local_run_stops_at_a_breakpoint_and_after_a_crash_resumes_on_ray(
         kill_rank=0,
         kill_at_call=KILL_AT_CALL,
         marker=str(tmp_path / "crashed"),
+        # the kill waits until checkpoint 70, saved in the background, is complete
+        checkpoints_dir=str(run_dir / "checkpoints"),
+        await_step=70,
+        ray_bookkeeping=False,
     )
+    cfg["model"]["target"] = "paused_faults:build_model"
     # At the breakpoint the user prints something and continues; later the process dies
     # without any clean-up (SIGKILL), as a debugging session often ends.
     code, output = _local_train(cfg, tmp_path, stdin="p 'seen in pdb'\nc\n")
@@ -89,7 +95,6 @@ def test_a_local_run_stops_at_a_breakpoint_and_after_a_crash_resumes_on_ray(
     assert "(Pdb)" in output and "'seen in pdb'" in output, output
     assert "starting run locally (Ray Train's local mode)" in output
     assert "Started a local Ray instance" not in output  # no Ray at all
-    run_dir = tmp_path / "runs" / "debugged"
     assert newest_step(run_dir) == 70
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["scaling"]["num_workers"] == 1
 

@@ -59,6 +59,7 @@ def run(ray_cluster, tmp_path_factory):
         marker=str(marker),
         # where Ray keeps its checkpoint bookkeeping: the kill waits until it has step 60
         checkpoints_dir=str(out / "tracked" / "checkpoints" / "tracked"),
+        await_step=60,
     )
     result = rt.train(cfg, progress=False)
     assert marker.exists(), "the worker was never killed"

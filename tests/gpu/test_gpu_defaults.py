@@ -129,11 +129,20 @@ def test_fsdp_in_bf16_saves_shards_and_a_killed_worker_resumes_from_them(gpu_ray
             distributed={"strategy": "fsdp"},
             fault_tolerance={"max_failures": 1},
         )
+        # the kill waits until the step-60 checkpoint, saved in the background, is recorded
+        cfg["model"]["target"] = "paused_faults:build_model"
         cfg["model"] = witnessed(cfg["model"], record_dir)
         return cfg, record_dir
 
     straight_cfg, _ = config("straight")
-    killed_cfg, record_dir = config("killed", kill_rank=0, kill_at_call=70, marker=str(marker))
+    killed_cfg, record_dir = config(
+        "killed",
+        kill_rank=0,
+        kill_at_call=70,
+        marker=str(marker),
+        checkpoints_dir=str(tmp_path / "killed" / "checkpoints" / "killed"),
+        await_step=60,
+    )
     plan = rt.plan(killed_cfg)
     assert (plan.strategy, plan.precision, plan.compile) == ("fsdp", "bf16", False)
     straight = rt.train(straight_cfg, progress=False)
