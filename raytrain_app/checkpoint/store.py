@@ -21,12 +21,14 @@ A checkpoint directory holds:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +83,24 @@ def unwrap_model(module: nn.Module) -> nn.Module:
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
+    with _without_crc32():
+        torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _without_crc32() -> Iterator[None]:
+    """torch.save without the CRC-32 of every record in its zip: what a load checks is
+    manifest.json's SHA-256 of each file, and the CRC was 90 % of torch.save's time (2.6 s
+    of 2.9 s for 1.2 GB of tensors on a 2-core machine), the GIL held all along, on the
+    step's path or beside it. torch.load reads either. torch < 2.6 always computes it."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        yield
+        return
+    with config.patch("save.compute_crc32", False):
+        yield
 
 
 def _sha256(path: Path) -> str:

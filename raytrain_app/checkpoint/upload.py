@@ -1,9 +1,12 @@
-"""Putting a checkpoint into the run's storage so that a kill mid-copy never leaves a torn
+"""Putting a checkpoint into the run's storage so that a kill mid-way never leaves a torn
 one under a real name (run by the checkpoint writer, ``writer.py``, of the rank that
 writes the checkpoint, or of every rank when each writes its part of a sharded one)."""
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +85,52 @@ def _copy_file(file: Path, destination: str, source_fs: Any, fs: Any) -> None:
     )
 
 
+def save_atomically(write: Callable[[Path], Any], name: str, storage: Any = None) -> Any:
+    """Put the checkpoint that ``write(directory)`` writes into the run's storage as
+    ``name``, so that a kill mid-way never leaves a torn one under a real name.
+
+    On a local or mounted filesystem it is written in place under ``<name>.partial`` and
+    renamed once complete: no copy of it is made. Elsewhere (object stores, HDFS) it is
+    written into a local scratch directory, then uploaded (``upload_atomically``).
+    ``storage`` as in ``upload_shards_atomically``.
+    """
+    import ray.train
+
+    storage = storage or ray.train.get_context().get_storage()
+    fs = storage.storage_filesystem
+    if fs.type_name != "local":
+        with scratch_dir() as directory:
+            write(directory)
+            return upload_atomically(ray.train.Checkpoint.from_directory(directory), name, storage)
+    final = _free_path(storage, fs, name)
+    partial = _fresh_partial(fs, final)
+    try:
+        write(Path(partial))
+    except Exception:
+        fs.delete_dir(partial)  # a write that failed leaves nothing (a kill: the .partial)
+        raise
+    fs.move(partial, final)
+    return ray.train.Checkpoint(final, filesystem=fs)
+
+
+@contextlib.contextmanager
+def scratch_dir() -> Iterator[Path]:
+    """A local temporary directory for a checkpoint on its way to the run's storage."""
+    with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as directory:
+        yield Path(directory)
+
+
+def _fresh_partial(fs: Any, final: str) -> str:
+    """``<final>.partial``, created empty (what a worker killed mid-way left is deleted)."""
+    import pyarrow.fs
+
+    partial = final + ".partial"
+    if fs.get_file_info(partial).type != pyarrow.fs.FileType.NotFound:
+        fs.delete_dir(partial)
+    fs.create_dir(partial)
+    return partial
+
+
 def upload_atomically(checkpoint: Any, name: str, storage: Any = None) -> Any:
     """Copy a checkpoint into the run's storage under a temporary name, then rename it.
 
@@ -97,10 +146,7 @@ def upload_atomically(checkpoint: Any, name: str, storage: Any = None) -> Any:
     final = _free_path(storage, fs, name)
     if fs.type_name not in _RENAMING_FILESYSTEMS:
         return _upload_manifest_last(checkpoint, final, fs)
-    partial = final + ".partial"
-    if fs.get_file_info(partial).type != pyarrow.fs.FileType.NotFound:
-        fs.delete_dir(partial)  # left by a worker killed mid-copy
-    fs.create_dir(partial)
+    partial = _fresh_partial(fs, final)
     pyarrow.fs.copy_files(
         checkpoint.path,
         partial,

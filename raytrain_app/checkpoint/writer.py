@@ -6,10 +6,11 @@ files into the run's storage run on its thread while training goes on. The next
 checkpoint first waits for the save in flight (the snapshot's buffers are reused), and
 that wait is part of the time the checkpoint blocked the step.
 
-A thread, not a process: the bulk of the work (torch.save's tensor records, hashlib's
-SHA-256, pyarrow's copies) runs in C with the GIL released, so a thread slows the step
-no more than a process would, without copying the snapshot into shared memory
-(measured: benchmarks/README.md, "Checkpoints off the step's path").
+A thread, not a process: on this project's 2-core machine a writer process slowed the
+step no less than a thread (benchmarks/README.md, "Checkpoints off the step's path"),
+and a thread needs no shared memory for the snapshot and serves FSDP's collective DCP
+save alike. torch.save does hold the GIL while it writes each tensor's record (hashlib
+and file writes release it), which a process would not.
 
 Without ``background`` (a Tune trial, or ``train.async_checkpoints: false``) a save runs
 at once in the caller's thread, as before there was a writer.
@@ -20,24 +21,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PendingCheckpoint:
-    """A checkpoint handed to the writer, as a session reports it.
-
-    ``directory``: where it is being written (a scratch directory, removed once the
-    checkpoint is persisted); ``persisted``: the future of its save, whose result is what
-    the session's ``persist`` returned (Ray's persisted ``Checkpoint``).
-    """
-
-    directory: Path
-    persisted: Future
 
 
 class CheckpointWriter:

@@ -14,16 +14,22 @@ round.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from raytrain_app.checkpoint.ranking import checkpoint_score, metas_newest_first
-from raytrain_app.checkpoint.upload import upload_atomically, upload_shards_atomically
-from raytrain_app.checkpoint.writer import PendingCheckpoint
+from raytrain_app.checkpoint.upload import save_atomically
 from raytrain_app.storage import StorageLocation
 from raytrain_app.worker.loop import WorkerLoop
-from raytrain_app.worker.session import RayTrainSession, checkpoint_directory, newest_persisted
+from raytrain_app.worker.session import (
+    RayTrainSession,
+    checkpoint_directory,
+    newest_persisted,
+    persist_shards,
+)
 
 
 @dataclass(frozen=True)
@@ -63,9 +69,7 @@ class LocalModeSession(RayTrainSession):
         self.storage = RunStorage(self.folder.filesystem, self.folder.path)
         self.retention = retention
 
-    def report(
-        self, metrics: dict[str, Any], checkpoint: PendingCheckpoint | None, name: str | None
-    ) -> None:
+    def report(self, metrics: dict[str, Any], saved: Future | None, name: str | None) -> None:
         import ray.train
 
         # Ray's local mode keeps the last report: the run's result, as on a cluster. Its
@@ -73,14 +77,11 @@ class LocalModeSession(RayTrainSession):
         # writer puts this one (``persist``).
         ray.train.report(metrics, checkpoint_dir_name=name)
 
-    def persist(self, directory: Path, name: str, group: Any) -> Any:
-        import ray.train
-
-        local = ray.train.Checkpoint.from_directory(directory)
+    def persist(self, write: Callable[[Path], Any], name: str, group: Any) -> Any:
         if group is None or self.world_size == 1:
-            persisted = upload_atomically(local, name, storage=self.storage)
+            persisted = save_atomically(write, name, storage=self.storage)
         else:
-            persisted = upload_shards_atomically(local, name, storage=self.storage, group=group)
+            persisted = persist_shards(write, name, group, storage=self.storage)
         if self.world_rank == 0:
             self._prune()
         return persisted

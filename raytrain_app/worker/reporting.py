@@ -11,12 +11,10 @@ digests and persists it while training goes on.
 from __future__ import annotations
 
 import functools
-import shutil
-import tempfile
 import time
+from concurrent.futures import Future
 from dataclasses import asdict
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +31,7 @@ from raytrain_app.checkpoint.train_state import (
     rng_state,
     snapshot_resumable,
 )
-from raytrain_app.checkpoint.writer import CheckpointWriter, PendingCheckpoint
+from raytrain_app.checkpoint.writer import CheckpointWriter
 from raytrain_app.config import TrainConfig
 from raytrain_app.planning.lanes import STREAM_LANES_KEY
 from raytrain_app.worker.global_metrics import EpochProgress, gather
@@ -105,23 +103,19 @@ class Reporter:
         self.session.report(reported, checkpoint, name)
         return time.perf_counter() - start if due else 0.0
 
-    def _save(self, snapshot: Snapshot, name: str, group: Any) -> PendingCheckpoint:
-        directory = Path(tempfile.mkdtemp(prefix="raytrain-ckpt-"))
-        job = functools.partial(self._write_and_persist, snapshot, directory, name, group)
-        return PendingCheckpoint(directory, self.writer.submit(job))
-
-    def _write_and_persist(self, snapshot: Snapshot, directory: Path, name: str, group: Any) -> Any:
-        try:
-            snapshot.write(directory, group)
-            return self.session.persist(directory, name, group)
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+    def _save(self, snapshot: Snapshot, name: str, group: Any) -> Future:
+        """The writer's save: ``snapshot`` written where the session persists it."""
+        write = functools.partial(snapshot.write, group=group)
+        return self.writer.submit(functools.partial(self.session.persist, write, name, group))
 
     def _writer_group(self) -> Any:
         """The process group of the writers' collectives (a sharded checkpoint's), made by
         every rank at its first sharded checkpoint: the training's own group may be in use
-        by the step at the same time. None where saves are not in the background."""
-        if self._group is None and self.writer.background and dist.is_initialized():
+        by the step at the same time. The training's group where saves are written at
+        once, on the step's path."""
+        if not self.writer.background:
+            return dist.group.WORLD
+        if self._group is None:
             timeout = timedelta(seconds=self._timeout_s)
             self._group = dist.new_group(backend="gloo", timeout=timeout)
         return self._group

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import shutil
 import socket
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,8 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from raytrain_app.checkpoint.store import MANIFEST_FILE, checkpoints_newest_first, name_progress
-from raytrain_app.checkpoint.upload import upload_atomically, upload_shards_atomically
-from raytrain_app.checkpoint.writer import PendingCheckpoint
+from raytrain_app.checkpoint.upload import save_atomically, scratch_dir, upload_shards_atomically
 from raytrain_app.worker.device_batches import on_device, to_device
 
 # to_device is imported from here by the memory probe and Ray Data's batches.
@@ -46,19 +47,18 @@ class WorkerSession(Protocol):
 
     def prepare_loader(self, loader: DataLoader) -> DataLoader: ...
 
-    def report(
-        self, metrics: dict[str, Any], checkpoint: PendingCheckpoint | None, name: str | None
-    ) -> None:
-        """Report ``metrics`` and, once persisted, this rank's ``checkpoint`` (its part, for
-        FSDP's shards). Every rank reports at the same points (Ray requires equal
-        counts), with the checkpoint's ``name`` whether or not it writes a part of it."""
+    def report(self, metrics: dict[str, Any], saved: Future | None, name: str | None) -> None:
+        """Report ``metrics`` and, once ``saved`` (the future of this rank's save, whose
+        result is what ``persist`` returned), its checkpoint (its part, for FSDP's
+        shards). Every rank reports at the same points (Ray requires equal counts), with
+        the checkpoint's ``name`` whether or not it writes a part of it."""
         ...
 
-    def persist(self, directory: Path, name: str, group: Any) -> Any:
-        """Put the checkpoint written into ``directory`` into the run's storage as ``name``
-        (run by the checkpoint writer, in its thread when saves are in the background).
-        ``group``: the process group of a checkpoint every rank writes a part of (FSDP),
-        None for one this rank writes alone."""
+    def persist(self, write: Callable[[Path], Any], name: str, group: Any) -> Any:
+        """Put the checkpoint that ``write(directory)`` writes into the run's storage as
+        ``name`` (run by the checkpoint writer, in its thread when saves are in the
+        background). ``group``: the process group of a checkpoint every rank writes a part
+        of (FSDP), None for one this rank writes alone."""
         ...
 
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]: ...
@@ -99,19 +99,20 @@ class RayTrainSession:
         # a dict, a dataclass stays on the host): raytrain moves the batches itself.
         return on_device(loader, self.device())
 
-    def report(
-        self, metrics: dict[str, Any], checkpoint: PendingCheckpoint | None, name: str | None
-    ) -> None:
+    def report(self, metrics: dict[str, Any], saved: Future | None, name: str | None) -> None:
         import ray.train
 
-        saved: dict[str, Any] = {}
-        if checkpoint is not None:
+        checkpoint: dict[str, Any] = {}
+        if saved is not None:
             # Ray registers the checkpoint once the writer has persisted it: its upload
-            # function only waits for that, in Ray's upload thread.
-            saved = {
-                "checkpoint": ray.train.Checkpoint.from_directory(checkpoint.directory),
-                "delete_local_checkpoint_after_upload": False,  # the writer removes it
-                "checkpoint_upload_fn": lambda _local, _name: checkpoint.persisted.result(),
+            # function only waits for that, in Ray's upload thread. Ray passes it the
+            # checkpoint reported, here the run's checkpoint folder, which it ignores.
+            storage = ray.train.get_context().get_storage()
+            folder = storage.experiment_fs_path
+            checkpoint = {
+                "checkpoint": ray.train.Checkpoint(folder, filesystem=storage.storage_filesystem),
+                "delete_local_checkpoint_after_upload": False,
+                "checkpoint_upload_fn": lambda _reported, _name: saved.result(),
             }
         # Asynchronous without a checkpoint too: a synchronous report waits until the one
         # before it is registered, that is for the save in flight.
@@ -119,16 +120,11 @@ class RayTrainSession:
             metrics,
             checkpoint_dir_name=name,
             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
-            **saved,
+            **checkpoint,
         )
 
-    def persist(self, directory: Path, name: str, group: Any) -> Any:
-        import ray.train
-
-        local = ray.train.Checkpoint.from_directory(directory)
-        if group is None:
-            return upload_atomically(local, name)
-        return upload_shards_atomically(local, name, group=group)
+    def persist(self, write: Callable[[Path], Any], name: str, group: Any) -> Any:
+        return persist_shards(write, name, group) if group else save_atomically(write, name)
 
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         import ray.train
@@ -137,6 +133,17 @@ class RayTrainSession:
 
     def node_address(self) -> str:
         return _node_address()
+
+
+def persist_shards(write: Callable[[Path], Any], name: str, group: Any, storage: Any = None) -> Any:
+    """This rank's part of a sharded checkpoint, written into a scratch directory and
+    merged with the other ranks' into the run's storage (``upload_shards_atomically``)."""
+    import ray.train
+
+    with scratch_dir() as directory:
+        write(directory)
+        local = ray.train.Checkpoint.from_directory(directory)
+        return upload_shards_atomically(local, name, storage=storage, group=group)
 
 
 def newest_persisted(reported: Any, storage: Any = None) -> Any:
@@ -224,25 +231,31 @@ class InProcessSession:
     def prepare_loader(self, loader: DataLoader) -> Any:
         return on_device(loader, self._device)
 
-    def report(
-        self, metrics: dict[str, Any], checkpoint: PendingCheckpoint | None, name: str | None
-    ) -> None:
-        self.reports.append({**metrics, "checkpoint": name if checkpoint else None})
+    def report(self, metrics: dict[str, Any], saved: Future | None, name: str | None) -> None:
+        self.reports.append({**metrics, "checkpoint": name if saved else None})
 
-    def persist(self, directory: Path, name: str, group: Any) -> Path | None:
+    def persist(self, write: Callable[[Path], Any], name: str, group: Any) -> Path | None:
         if self.storage is None:
             return None
         target, attempt = self.storage / name, 1
         while target.exists():  # the same step written again after a fallback, as in Ray
             target, attempt = self.storage / f"{name}-r{attempt}", attempt + 1
         if group is None or self.world_size == 1:
-            shutil.copytree(directory, target)
-            return target
+            partial = target.with_name(target.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            try:
+                write(partial)
+            except Exception:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+            return partial.rename(target)
         # Every rank adds its files to rank 0's directory, as Ray merges them.
         chosen = [target]
         dist.broadcast_object_list(chosen, src=0, group=group)
         dist.barrier(group=group)
-        shutil.copytree(directory, chosen[0], dirs_exist_ok=True)
+        with scratch_dir() as directory:
+            write(directory)
+            shutil.copytree(directory, chosen[0], dirs_exist_ok=True)
         dist.barrier(group=group)
         return chosen[0]
 
@@ -275,25 +288,23 @@ class TuneTrialSession(InProcessSession):
         super().__init__(device="cuda:0" if use_gpu else "cpu")
         self.world_rank, self.world_size = 0, 1
 
-    def report(
-        self, metrics: dict[str, Any], checkpoint: PendingCheckpoint | None, name: str | None
-    ) -> None:
+    def report(self, metrics: dict[str, Any], saved: Future | None, name: str | None) -> None:
         from ray import tune
 
-        if checkpoint is None:
+        if saved is None:
             tune.report(metrics)
             return
-        kept = checkpoint.persisted.result()  # written already: saves are not in the background
+        written = saved.result()  # already: a trial's saves are not in the background
         try:
-            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(kept))
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(written))
         finally:
-            shutil.rmtree(kept, ignore_errors=True)
+            shutil.rmtree(written, ignore_errors=True)
 
-    def persist(self, directory: Path, name: str, group: Any) -> Path:
-        """Keep the written files for ``report``, which hands them to Tune."""
-        kept = directory.with_name(f"{directory.name}-{name}")
-        directory.rename(kept)
-        return kept
+    def persist(self, write: Callable[[Path], Any], name: str, group: Any) -> Path:
+        """Write the checkpoint for ``report``, which hands it to Tune (Tune copies it)."""
+        written = Path(tempfile.mkdtemp(prefix="raytrain-ckpt-"))
+        write(written)
+        return written
 
     def restored_checkpoint(self) -> contextlib.AbstractContextManager[Path | None]:
         from ray import tune

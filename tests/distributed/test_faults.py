@@ -52,7 +52,7 @@ def test_uneven_splits_give_equal_steps_and_count_every_validation_sample(refere
 
 
 def test_a_worker_killed_while_writing_a_checkpoint_restarts_and_loses_nothing(reference, tmp_path):
-    """Rank 0, the one that writes checkpoints, is SIGKILLed one file into copying the
+    """Rank 0, the one that writes checkpoints, is SIGKILLed one file into writing the
     step-70 checkpoint into the run's storage, while that save is in flight in its
     background writer and training has gone on (tests/support/workloads/checkpoint_kill.py):
     Ray restarts both workers from an older checkpoint, the torn copy is never loaded, step

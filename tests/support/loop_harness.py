@@ -6,12 +6,12 @@ newest handed back on resume, as Ray does after a restart) that can also crash o
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 from environments import make_env
 
-from raytrain_app.checkpoint.writer import PendingCheckpoint
 from raytrain_app.config import RaytrainConfig, config_from_dict, config_to_dict
 from raytrain_app.planning.rules import make_plan
 from raytrain_app.tracking.metrics_log import TIMING_COLUMNS
@@ -36,11 +36,11 @@ class LocalSession(InProcessSession):
         super().__init__(storage)
         self.crash_after = crash_after_checkpoints
 
-    def report(self, metrics: dict, checkpoint: PendingCheckpoint | None, name: str | None) -> None:
-        super().report(metrics, checkpoint, name)
-        if checkpoint is None or self.crash_after is None:
+    def report(self, metrics: dict, saved: Future | None, name: str | None) -> None:
+        super().report(metrics, saved, name)
+        if saved is None or self.crash_after is None:
             return
-        checkpoint.persisted.result()  # saved in the background: crash once it is persisted
+        saved.result()  # saved in the background: crash once it is persisted
         if len(self.checkpoints()) >= self.crash_after:
             raise Crash
 

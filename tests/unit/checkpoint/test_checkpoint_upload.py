@@ -11,7 +11,7 @@ import ray.train
 from torch import nn
 
 from raytrain_app.checkpoint import store as ckpt
-from raytrain_app.checkpoint.upload import upload_atomically
+from raytrain_app.checkpoint.upload import save_atomically, upload_atomically
 
 
 @pytest.fixture
@@ -78,3 +78,52 @@ def test_a_step_written_again_gets_a_new_name(storage, tmp_path):
     assert Path(second.path).name == f"{name}-r1" and first.path != second.path
     # the rewrite counts as the newer of the two
     assert ckpt.checkpoints_newest_first(storage)[0] == Path(second.path)
+
+
+def _writes(step: int):
+    """What the checkpoint writer hands ``save_atomically``: a function filling a folder."""
+
+    def write(directory: Path) -> None:
+        ckpt.save_checkpoint(
+            directory,
+            model=nn.Linear(2, 1),
+            train_state={"epoch": 0, "step": step},
+            meta={"epoch": 0, "step": step},
+        )
+
+    return write
+
+
+def test_a_checkpoint_is_written_in_place_on_a_filesystem_and_never_copied(storage, monkeypatch):
+    def no_copy(*args, **kwargs):
+        raise AssertionError("a checkpoint on a filesystem was copied")
+
+    monkeypatch.setattr(pyarrow.fs, "copy_files", no_copy)
+    name = ckpt.checkpoint_name(0, 10)
+    persisted = save_atomically(_writes(10), name)
+    assert Path(persisted.path) == storage / name
+    ckpt.verify_checkpoint(storage / name)
+    assert sorted(p.name for p in storage.iterdir()) == [name]
+
+
+def test_a_write_killed_midway_leaves_only_a_partial_folder_and_one_that_fails_nothing(storage):
+    save_atomically(_writes(10), ckpt.checkpoint_name(0, 10))
+    name = ckpt.checkpoint_name(0, 20)
+
+    def killed_after_the_weights(directory: Path) -> None:
+        (directory / ckpt.MODEL_FILE).write_bytes(b"half")
+        raise KeyboardInterrupt  # stands in for SIGKILL mid-write: nothing runs after it
+
+    with pytest.raises(KeyboardInterrupt):
+        save_atomically(killed_after_the_weights, name)
+    assert (storage / (name + ".partial")).exists() and not (storage / name).exists()
+    assert ckpt.checkpoints_newest_first(storage) == [storage / ckpt.checkpoint_name(0, 10)]
+
+    def disk_full(directory: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        save_atomically(disk_full, name)  # the leftover goes first; the failed one leaves none
+    assert sorted(p.name for p in storage.iterdir()) == [ckpt.checkpoint_name(0, 10)]
+    save_atomically(_writes(21), name)  # the retried step lands complete
+    ckpt.verify_checkpoint(storage / name)

@@ -137,7 +137,7 @@ class _Recording(Tracker):
 class _StoppedAtFirstReport(InProcessSession):
     """Tune ending a trial at its report (ASHA stops it, PBT pauses it): ``exit(0)``."""
 
-    def report(self, metrics, checkpoint, name) -> None:
+    def report(self, metrics, saved, name) -> None:
         raise SystemExit(0)
 
 

@@ -36,7 +36,7 @@ class HeldWrites:
     test wants. Counts the writes running at once."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.released = threading.Event()
+        self.released, self.started = threading.Event(), threading.Event()
         self.running = self.most_at_once = 0
         self._real = ckpt.save_checkpoint
         monkeypatch.setattr(ckpt, "save_checkpoint", self._held)
@@ -44,6 +44,7 @@ class HeldWrites:
     def _held(self, *args, **kwargs):
         self.running += 1
         self.most_at_once = max(self.most_at_once, self.running)
+        self.started.set()
         try:
             self.released.wait(HOLD_S)
             return self._real(*args, **kwargs)
@@ -96,7 +97,7 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_its_own_ste
     weights, moments = _copy_of(t)
     blocked = _checkpoint(reporter, t, step=1)
     # Back at the step with the files still being written: only the snapshot blocked it.
-    assert blocked < HOLD_S / 2 and writes.running == 1
+    assert blocked < HOLD_S / 2 and writes.started.wait(HOLD_S) and writes.running == 1
     assert session.checkpoints() == []
     _train(t, steps=3)  # the weights and moments the snapshot copied change in place
     assert not torch.equal(t.model.state_dict()["0.weight"], weights["0.weight"])
@@ -141,7 +142,6 @@ def test_one_save_in_flight_the_next_checkpoint_waits_for_it_and_counts_the_wait
 
 
 def test_a_save_that_fails_mid_write_leaves_no_checkpoint_and_fails_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where the writer's scratch goes
     session = InProcessSession(tmp_path / "ckpt")
     reporter, t = _reporter(session), _trainables()
     _checkpoint(reporter, t, step=1)
@@ -160,7 +160,7 @@ def test_a_save_that_fails_mid_write_leaves_no_checkpoint_and_fails_the_run(tmp_
     [newest] = session.checkpoints()  # the failed one is nowhere, the previous one whole
     assert newest.name == ckpt.checkpoint_name(0, 1)
     ckpt.verify_checkpoint(newest)
-    assert not list(tmp_path.glob("raytrain-ckpt-*")), "the failed save's files were left"
+    assert not list(tmp_path.glob("**/*.partial")), "the failed save's files were left"
     reporter.close()
 
 

@@ -44,8 +44,8 @@ class CrashingSession(LocalSession):
         super().__init__(storage)
         self.crash_at, self.taken = crash_after, 0
 
-    def report(self, metrics, checkpoint, name) -> None:
-        super().report(metrics, checkpoint, name)
+    def report(self, metrics, saved, name) -> None:
+        super().report(metrics, saved, name)
         self.taken += name is not None
         if self.crash_at is not None and self.taken >= self.crash_at:
             raise Crash

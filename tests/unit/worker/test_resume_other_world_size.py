@@ -40,8 +40,8 @@ class TwoRankSession(LocalSession):
         self.crash_after_named = crash_after
         self.named = 0
 
-    def report(self, metrics, checkpoint, name) -> None:
-        super().report(metrics, checkpoint, name)
+    def report(self, metrics, saved, name) -> None:
+        super().report(metrics, saved, name)
         self.named += name is not None  # every rank is told when a checkpoint is taken
         if self.crash_after_named is not None and self.named >= self.crash_after_named:
             raise Crash
