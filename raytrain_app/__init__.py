@@ -11,6 +11,7 @@ The Python API mirrors the CLI::
 from __future__ import annotations
 
 import importlib
+import time
 from typing import TYPE_CHECKING
 
 from raytrain_app.config import ConfigError, RaytrainConfig, config_from_dict, load_config
@@ -64,14 +65,22 @@ def train(config=None, *, overrides=(), address=None, progress=True, local=False
 
     ``local=True``: in this process, without Ray (Ray Train's local mode), for debugging.
     """
+    called_at = time.time()  # goodput's start-up counts from here (or the command's start)
     from raytrain_app.driver.run_start import run_begun
+    from raytrain_app.run_clock import run_began_at
 
     cfg = _as_config(config, overrides)
     # A Ray started for this run starts beside the driver's imports and checks.
     with run_begun(cfg, address, local):
         from raytrain_app.driver.training import train as _train
 
-        return _train(cfg, address=address, progress=progress, local=local)
+        return _train(
+            cfg,
+            address=address,
+            progress=progress,
+            local=local,
+            began_at=run_began_at(called_at),
+        )
 
 
 def tune(config=None, *, overrides=(), address=None, trust_code=False):

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 import raytrain_app
+from raytrain_app import run_clock
 from raytrain_app.cli_flags import build_parser
 from raytrain_app.config import load_config
 from raytrain_app.errors import BadInputError, RunFailedError, RunStoppedError
@@ -204,6 +205,12 @@ _COMMANDS = {
 }
 
 
+def command() -> int:
+    """The ``raytrain`` command: a run's start-up counts from this process's start."""
+    run_clock.mark_command_start()
+    return main()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(logging.DEBUG if args.debug else logging.INFO)
@@ -226,4 +233,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

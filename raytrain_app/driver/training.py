@@ -74,18 +74,21 @@ def train(
     address: str | None = None,
     progress: bool = True,
     local: bool = False,
+    began_at: float | None = None,
 ) -> TrainResult | None:
     """Train ``cfg`` with DDP on Ray; resumes the run of the same name and config if any.
 
     ``local``: in Ray Train's local mode, in this process (``driver.local_run``); under
     torchrun, in each of its processes, of which only rank 0 returns a result (the others
-    return None).
+    return None). ``began_at``: when the run began (wall clock; ``run_clock``), from which
+    its wall time and goodput's start-up count; this call by default.
 
     Raises:
         BadInputError: the config, data or model is invalid (nothing was written).
         RunFailedError: the run started and failed.
     """
-    start = time.perf_counter()
+    # the perf counter's reading at began_at: wall time measured on a monotonic clock
+    start = time.perf_counter() - (time.time() - began_at if began_at is not None else 0.0)
     launch = Launch.checked(cfg, TRAIN, address=address, local=local)
     if launch.follower:  # one of torchrun's other processes: rank 0 returns the result
         follow_rank_zero(launch)
