@@ -14,6 +14,7 @@ from typing import Any
 import ray.train
 
 from raytrain_app.checkpoint.ranking import best_checkpoint
+from raytrain_app.driver.checkpoint_sweep import remove_unrecorded_checkpoints
 from raytrain_app.driver.goodput import attempts_of, run_goodput
 from raytrain_app.driver.launch import Launch
 from raytrain_app.driver.run_directory import RunDirectory
@@ -32,6 +33,10 @@ def record_run(
     run_dir, resolved = launch.run_dir, launch.resolved
     summary = _summary(result, launch.plan, wall_s, run_dir.at("checkpoints"))
     summary["goodput"] = _goodput(result, wall_s)
+    train = resolved.train
+    remove_unrecorded_checkpoints(
+        run_dir.at("checkpoints"), result, train.keep_checkpoints, train.monitor, train.mode
+    )
     summary.update(_best_summary(run_dir, resolved.train.monitor, resolved.train.mode))
     run_dir.write_summary(summary)
     metrics = _read_metrics(run_dir)
