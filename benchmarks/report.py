@@ -13,6 +13,7 @@ _LABELS = {
     "streaming": "Streaming from S3: data wait share (samples/s vs a Ray Data loop)",
     "tune_overhead": "Tune overhead: sweep wall / (per-trial time x trials / concurrency)",
     "scaling": "Scaling: per-worker efficiency at the most workers",
+    "checkpoint_stall": "Checkpoint stall: steps lost per checkpoint, 100M model, 2 CPU workers",
     "forecast_quality": "Forecast quality: model MAE / best naive MAE, worst real series",
     "gpu": "GPU: raytrain bf16 / hand-tuned loop; GPU busy share",
 }

@@ -47,6 +47,7 @@ BENCHMARKS = {
     "streaming": "benchmarks.streaming",
     "tune_overhead": "benchmarks.tune_overhead",
     "scaling": "benchmarks.scaling",
+    "checkpoint_stall": "benchmarks.checkpoint_stall",
     "forecast_quality": "benchmarks.forecast_quality",
     "gpu": "benchmarks.gpu",
 }
