@@ -17,6 +17,7 @@ from raytrain_app.config import DataConfig, ModelConfig, RaytrainConfig
 from raytrain_app.data.stream_windows import FACTORY as STREAM_FACTORY
 from raytrain_app.data.stream_windows import StreamSplits
 from raytrain_app.errors import BadInputError
+from raytrain_app.factory_targets import not_importable, split_target
 from raytrain_app.protocol import DataSplits, ModelSpec, RayDataSplits, ray_data_refusal
 from raytrain_app.storage import StorageLocation, is_uri
 
@@ -45,19 +46,11 @@ class FactoryRef:
 
 def import_target(target: str, config_key: str) -> Any:
     """Import ``"pkg.module:attr"``; a failure names the config key that holds it."""
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise BadInputError(
-            f"{config_key}={target!r} is not of the form 'package.module:function'; "
-            f"fix {config_key}"
-        )
+    module_name, attr = split_target(target, config_key)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise BadInputError(
-            f"{config_key}={target!r} cannot be imported ({exc}); install the package or "
-            f"add its directory to PYTHONPATH"
-        ) from exc
+        raise not_importable(target, config_key, str(exc)) from exc
     try:
         return getattr(module, attr)
     except AttributeError:

@@ -204,3 +204,21 @@ def test_a_run_directory_another_run_writes_is_refused_before_a_ray_starts_for_i
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"error: run directory '{tmp_path / 'runs' / 'quickstart'}' is being")
     assert stood_in.events == []
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["no_such_module_for_raytrain:build_model", "no_such_package_for_raytrain.models:build"],
+    ids=["module", "package"],
+)
+def test_a_model_target_not_on_the_path_is_refused_before_a_ray_starts_for_it(
+    stood_in, capsys, tmp_path, target
+):
+    # A misspelt module was refused only once the driver imported it, after starting (and
+    # then stopping) a Ray for the run beside its imports: seconds for one line.
+    assert cli.main(["train", "--no-progress", "--set", f"model.target={target}"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: model.target='{target}' cannot be imported (No module")
+    assert line.endswith("install the package or add its directory to PYTHONPATH")
+    assert stood_in.events == []
+    assert not (tmp_path / "runs").exists()
