@@ -36,7 +36,9 @@ TOP_LEVEL_ROOMS = {
     "protocol": "base",
     "logging_setup": "base",
     "workloads": "workloads",
+    "factory_targets": "workloads",  # the factories' names, found without importing them
     "__init__": "api",
+    "run_clock": "api",  # when a run began: the command's process start
     "cli": "api",
     "cli_flags": "api",
     "jobs": "api",
