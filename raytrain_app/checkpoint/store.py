@@ -205,20 +205,35 @@ def _plain_state(model: nn.Module | dict[str, Any]) -> dict[str, Any]:
 
 
 def _progress_key(directory: Path) -> tuple[int, int, float]:
-    """Sort key: (epoch, step) from the name, else from meta.json, then modification time."""
+    """Sort key: (epoch, step) from the name, else from meta.json, then modification time
+    (0 for a directory deleted meanwhile, by a run's retention)."""
+    try:
+        modified = directory.stat().st_mtime
+    except OSError:
+        modified = 0.0
     match = _NAME_PROGRESS.search(directory.name)
     if match:
-        return int(match[1]), int(match[2]), directory.stat().st_mtime
+        return int(match[1]), int(match[2]), modified
     try:
         meta = read_meta(directory)
-        return int(meta["epoch"]), int(meta["step"]), directory.stat().st_mtime
+        return int(meta["epoch"]), int(meta["step"]), modified
     except (OSError, ValueError, KeyError, TypeError):
-        return -1, -1, directory.stat().st_mtime
+        return -1, -1, modified
 
 
 def checkpoints_newest_first(folder: Path) -> list[Path]:
-    """Every checkpoint directory under ``folder`` (any depth), newest progress first."""
-    found = {p.parent for p in folder.glob("**/" + MODEL_FILE) if ".partial" not in p.parent.name}
+    """Every checkpoint directory under ``folder`` (any depth), newest progress first.
+
+    A run may be writing beside the listing (``predict`` on a run that trains, a test
+    watching one): a checkpoint being written (``<name>.partial``, renamed once complete)
+    is neither listed nor entered, and a directory that vanishes while it is listed (that
+    rename, or the retention deleting a checkpoint) is passed over.
+    """
+    found = []
+    for root, directories, files in os.walk(folder, followlinks=True):  # errors: passed over
+        directories[:] = [name for name in directories if ".partial" not in name]
+        if MODEL_FILE in files and ".partial" not in Path(root).name:
+            found.append(Path(root))
     return sorted(found, key=_progress_key, reverse=True)
 
 

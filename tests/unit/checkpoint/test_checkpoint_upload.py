@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -127,3 +128,28 @@ def test_a_write_killed_midway_leaves_only_a_partial_folder_and_one_that_fails_n
     assert sorted(p.name for p in storage.iterdir()) == [ckpt.checkpoint_name(0, 10)]
     save_atomically(_writes(21), name)  # the retried step lands complete
     ckpt.verify_checkpoint(storage / name)
+
+
+def test_a_listing_beside_a_save_in_flight_passes_over_what_vanishes(tmp_path, monkeypatch):
+    """`raytrain predict` on a run that trains, or a test watching one, lists checkpoints
+    while a save renames its `.partial` and the retention deletes an old one: the listing
+    raised FileNotFoundError from the vanished directory (CI, test_lost_lease)."""
+    for step in (5, 10, 20):
+        ckpt.save_checkpoint(
+            tmp_path / ckpt.checkpoint_name(0, step), model=nn.Linear(1, 1), train_state={}, meta={}
+        )
+    in_flight = tmp_path / (ckpt.checkpoint_name(0, 30) + ".partial")
+    (in_flight / "shards").mkdir(parents=True)
+    vanishing = {in_flight.name, ckpt.checkpoint_name(0, 5)}  # renamed, deleted meanwhile
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if Path(os.fspath(path)).name in vanishing:
+            raise FileNotFoundError(2, "No such file or directory", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert ckpt.checkpoints_newest_first(tmp_path) == [
+        tmp_path / ckpt.checkpoint_name(0, 20),
+        tmp_path / ckpt.checkpoint_name(0, 10),
+    ]
