@@ -5,6 +5,7 @@ writes the checkpoint, or of every rank when each writes its part of a sharded o
 from __future__ import annotations
 
 import contextlib
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -103,14 +104,23 @@ def save_atomically(write: Callable[[Path], Any], name: str, storage: Any = None
             write(directory)
             return upload_atomically(ray.train.Checkpoint.from_directory(directory), name, storage)
     final = _free_path(storage, fs, name)
-    partial = _fresh_partial(fs, final)
-    try:
-        write(Path(partial))
-    except Exception:
-        fs.delete_dir(partial)  # a write that failed leaves nothing (a kill: the .partial)
-        raise
-    fs.move(partial, final)
+    write_in_place(write, Path(final))
     return ray.train.Checkpoint(final, filesystem=fs)
+
+
+def write_in_place(write: Callable[[Path], Any], final: Path) -> Path:
+    """``write(<final>.partial)`` on a local or mounted filesystem, renamed to ``final``
+    once complete: a write that fails leaves nothing, a kill only the ``.partial``, which
+    the next write of that name replaces."""
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by a worker killed mid-way
+    partial.mkdir(parents=True)
+    try:
+        write(partial)
+    except Exception:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return partial.rename(final)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from raytrain_app.checkpoint.store import MANIFEST_FILE, checkpoints_newest_first, name_progress
-from raytrain_app.checkpoint.upload import save_atomically, scratch_dir, upload_shards_atomically
+from raytrain_app.checkpoint.upload import (
+    save_atomically,
+    scratch_dir,
+    upload_shards_atomically,
+    write_in_place,
+)
 from raytrain_app.worker.device_batches import on_device, to_device
 
 # to_device is imported from here by the memory probe and Ray Data's batches.
@@ -241,14 +246,7 @@ class InProcessSession:
         while target.exists():  # the same step written again after a fallback, as in Ray
             target, attempt = self.storage / f"{name}-r{attempt}", attempt + 1
         if group is None or self.world_size == 1:
-            partial = target.with_name(target.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            try:
-                write(partial)
-            except Exception:
-                shutil.rmtree(partial, ignore_errors=True)
-                raise
-            return partial.rename(target)
+            return write_in_place(write, target)
         # Every rank adds its files to rank 0's directory, as Ray merges them.
         chosen = [target]
         dist.broadcast_object_list(chosen, src=0, group=group)
