@@ -40,14 +40,16 @@ def remove_unrecorded_checkpoints(
     kept = result.best_checkpoints or []
     recorded = {PurePosixPath(c.path).name for c, _ in kept} | {newest.name}
     full = keep is not None and len(recorded - {newest.name}) >= keep
+    newest_progress = name_progress(newest.name)
     removed = []
     for entry in folder.list_dir():
         progress = name_progress(entry.name)
-        unrecorded = progress is not None and entry.name not in recorded
         dropped = (
             full
-            and unrecorded
-            and progress < name_progress(newest.name)
+            and progress is not None
+            and newest_progress is not None
+            and entry.name not in recorded
+            and progress < newest_progress
             and _ranked_last(entry, monitor, mode)
         )
         if entry.name.endswith(".partial") or dropped:

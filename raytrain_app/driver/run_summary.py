@@ -37,7 +37,7 @@ def record_run(
     remove_unrecorded_checkpoints(
         run_dir.at("checkpoints"), result, train.keep_checkpoints, train.monitor, train.mode
     )
-    summary.update(_best_summary(run_dir, resolved.train.monitor, resolved.train.mode))
+    summary.update(_best_summary(run_dir, train.monitor, train.mode))
     run_dir.write_summary(summary)
     metrics = _read_metrics(run_dir)
     if resolved.tracking.loss_plot:
