@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from raytrain_app.checkpoint import sharded, store
 
 
@@ -51,10 +53,18 @@ class Snapshot:
 class HostCopies:
     """Copies state into host memory with DCP's stager, which keeps one buffer per tensor
     storage and refills it at the next checkpoint (pinned where the state is on a GPU,
-    copied without blocking and waited for once); plain values are deep-copied.
+    copied without blocking and waited for once); plain values are deep-copied. DTensor
+    shards (FSDP) stay DTensors, their local shards copied.
 
     A buffer is refilled only after the save that read it has ended: the writer keeps at
     most one in flight.
+
+    Built on ``StateDictStager``, the part of DCP's ``DefaultStager`` that copies, not on
+    ``DefaultStager`` itself: torch 2.11's closes its stager after every ``stage`` (its
+    buffers dropped, its copy table emptied), so a reused one fails at the second
+    checkpoint with ``KeyError: <class 'type'>`` (pytorch/pytorch#183413; seen here on an
+    H100 with torch 2.11) where torch 2.13's goes on. The stager's own ``stage`` is the
+    same in both.
     """
 
     def __init__(self, pinned: bool) -> None:
@@ -64,7 +74,10 @@ class HostCopies:
     def __call__(self, state: Any) -> Any:
         if self._stager is None:
             self._stager = _stager(self.pinned)
-        return self._stager.stage(state)
+        copied = self._stager.stage(state, non_blocking=self.pinned)
+        if self.pinned:  # the copies were queued on the GPU's stream: they are whole now
+            torch.cuda.synchronize()
+        return copied
 
     def close(self) -> None:
         if self._stager is not None:
@@ -75,12 +88,6 @@ class HostCopies:
 def _stager(pinned: bool) -> Any:
     # Imported here: torch.distributed.checkpoint costs some 0.7 s of CPU to import, paid
     # only by a process that checkpoints in the background.
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
-    options = StagingOptions(
-        use_pinned_memory=pinned,
-        use_shared_memory=False,  # read by a thread of this process
-        use_async_staging=False,  # done before the step goes on: it is the snapshot
-        use_non_blocking_copy=pinned,
-    )
-    return DefaultStager(options)
+    return StateDictStager(pin_memory=pinned, share_memory=False)  # read by a thread of ours

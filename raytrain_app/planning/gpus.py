@@ -113,7 +113,7 @@ def gpu_notes(
     if compiled and sync_batchnorm:
         notes.append(
             "SyncBatchNorm layers, if the model has BatchNorm, run outside torch.compile's "
-            "graphs, one graph break each (torch 2.13 cannot trace how they gather "
+            "graphs, one graph break each (dynamo cannot trace how they gather "
             "statistics across workers); the rest of the model is compiled"
         )
     return tuple(notes)

@@ -63,9 +63,14 @@ def sine_config(
     return cfg
 
 
-def assert_learned(result: Any, cfg: dict[str, Any]) -> None:
-    """Finite weights and a validation loss that went down. ``cfg`` (the config trained)
-    lets ``load_model`` call its own model factory (a checkpoint's code is not trusted)."""
+def assert_learned(result: Any, cfg: dict[str, Any], restarted: bool = False) -> None:
+    """Finite weights and a validation loss that went down; unless ``restarted`` (a test
+    that kills a worker), no worker group failed and was restarted on the way: Ray's
+    restarts would hide a worker's error behind a run that ends well. ``cfg`` (the config
+    trained) lets ``load_model`` call its own model factory (a checkpoint's code is not
+    trusted)."""
+    restart_s = result.summary["goodput"]["restart_s"]
+    assert (restart_s > 0) if restarted else (restart_s == 0), result.summary["goodput"]
     losses = [row["val_loss"] for row in result.metrics]
     assert losses[-1] < losses[0], losses
     model = rt.load_model(result.run_dir, config=cfg)

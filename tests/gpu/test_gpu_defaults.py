@@ -161,7 +161,8 @@ def test_fsdp_in_bf16_saves_shards_and_a_killed_worker_resumes_from_them(gpu_ray
     assert [row["step"] for row in rows] == [row["step"] for row in reference]
     for row, expected in zip(rows, reference, strict=True):
         assert row["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-3)
-    assert_learned(killed, killed_cfg)
+    assert_learned(straight, straight_cfg)
+    assert_learned(killed, killed_cfg, restarted=True)
 
 
 def test_fp16_trains_with_its_grad_scaler_over_nccl(gpu_ray, tmp_path):
