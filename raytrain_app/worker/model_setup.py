@@ -14,6 +14,7 @@ from torch.optim.swa_utils import AveragedModel
 from raytrain_app.config import DistributedConfig, TrainConfig
 from raytrain_app.planning.rules import TrainingPlan
 from raytrain_app.protocol import CollateFn, ModelSpec, collate
+from raytrain_app.worker.compile_cache import use_private_compile_cache
 from raytrain_app.worker.fsdp import shard_model_and_ema
 from raytrain_app.worker.memory_probe import fit_plan_to_memory
 from raytrain_app.worker.model_companions import make_ema, register_comm_hook
@@ -82,5 +83,6 @@ def prepare_for_training(
         # Compiles the DDP-wrapped model, so Dynamo splits graphs at DDP's buckets and
         # the gradient all-reduce overlaps the backward; DDP's no_sync still holds (see
         # step.py). Checkpoints store the plain module's state_dict (no "_orig_mod.").
+        use_private_compile_cache()  # compiled code is loaded from there: no one else's
         model = torch.compile(model)
     return plan, module, model, agreement, ema
