@@ -1,6 +1,8 @@
 """Thread or process for the checkpoint writer: what a background save of a 1.2 GB state
-(torch.save without per-record CRC-32, then the file's SHA-256, as raytrain's writer does:
-``checkpoint/store.py``) costs the training thread.
+(torch.save without per-record CRC-32, and each file's SHA-256) costs the training thread,
+written as raytrain's writer did until 2026-11-27 (torch.save to a path, then a second
+read for the digest) and as it does now (``checkpoint/store.py``: torch.save into a file
+object that digests the bytes as they pass, the GIL let go while it writes).
 
 Run on its own, not by ``benchmarks.run``: ``python -m benchmarks.checkpoint_writer_modes
 [--repeats N]``. Prints three measurements (benchmarks/README.md, "Checkpoints off the
@@ -35,6 +37,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.serialization import config
 
+from raytrain_app.checkpoint import store
+
 WIDTH, LAYERS, BATCH, STEPS, SAVES_AT = 2048, 24, 8, 18, (2, 10)
 SCRATCH = Path(tempfile.gettempdir())
 
@@ -45,10 +49,18 @@ def save_without_crc(state: Any, path: Path) -> None:
 
 
 def write(state: Any, path: Path) -> None:
-    """What raytrain's writer does with a snapshot: serialise it, then digest the file."""
+    """What raytrain's writer did with a snapshot until 2026-11-27: torch.save to a path,
+    then the file's SHA-256 (a second read of it)."""
     save_without_crc(state, path)
     with path.open("rb") as f:
         hashlib.file_digest(f, "sha256")
+    path.unlink()
+
+
+def write_as_raytrain(state: Any, path: Path) -> None:
+    """What raytrain's writer does now (``checkpoint/store.py``): torch.save into a file
+    object that digests the bytes as they pass, the GIL let go while it writes."""
+    store._atomic_torch_save(state, path)
     path.unlink()
 
 
@@ -62,8 +74,8 @@ def _writer_process(state: Any, todo: Any, done: Any) -> None:
 class Writer:
     """Saves ``state`` in a thread of this process, or in a process of its own."""
 
-    def __init__(self, state: Any, process: bool) -> None:
-        self.state, self.process = state, process
+    def __init__(self, state: Any, process: bool, saves: Callable[..., None] = write) -> None:
+        self.state, self.process, self.saves = state, process, saves
         self._thread: threading.Thread | None = None
         if process:
             ctx = mp.get_context("spawn")
@@ -78,7 +90,7 @@ class Writer:
             self.todo.put(True)
             return
         path = SCRATCH / f"writer-modes-{os.getpid()}.pt"
-        self._thread = threading.Thread(target=write, args=(self.state, path))
+        self._thread = threading.Thread(target=self.saves, args=(self.state, path))
         self._thread.start()
 
     def wait(self) -> None:
@@ -160,20 +172,28 @@ def main() -> None:
     for name, work in [
         ("torch.save of one 400 MB tensor, with its CRC", lambda: torch.save({"w": big}, path)),
         ("the same without the CRC", lambda: save_without_crc({"w": big}, path)),
+        (
+            "raytrain's save (no CRC, digested as written)",
+            lambda: store._atomic_torch_save({"w": big}, path),
+        ),
         ("SHA-256 of that file", lambda: hashlib.file_digest(path.open("rb"), "sha256")),
         ("a 400 MB tensor copy", lambda: torch.empty_like(big).copy_(big)),
     ]:
         print(f"GIL: {name}: longest gap {longest_gil_gap(work):.3f} s")
     path.unlink()
 
-    threaded = Writer(_shared_state(False), process=False)
-    spawned = Writer(_shared_state(True), process=True)
+    state = _shared_state(False)
+    writers = {
+        "thread, torch.save to a path, then SHA-256": Writer(state, process=False),
+        "thread, raytrain's save": Writer(state, process=False, saves=write_as_raytrain),
+        "process, torch.save to a path, then SHA-256": Writer(_shared_state(True), process=True),
+    }
     for _ in range(repeats):
         alone = launch_rate(None)
-        for writer in (threaded, spawned):
-            kind = "process" if writer.process else "thread"
+        for kind, writer in writers.items():
             print(f"ops rate with a writer {kind}: {launch_rate(writer) / alone:.2f} of alone")
-    spawned.close()
+    for writer in writers.values():
+        writer.close()
 
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)]
