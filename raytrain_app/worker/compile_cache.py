@@ -49,11 +49,10 @@ def use_private_compile_cache() -> Path | None:
 
 
 def _made_private(path: Path) -> bool:
+    """Whether ``path`` was made now, 0700 (not where it exists, or cannot be made)."""
     try:
         path.mkdir(mode=0o700)
-    except FileExistsError:
-        return False
-    except OSError:  # no such parent, no permission: not usable as it is
+    except OSError:
         return False
     return True
 
