@@ -90,13 +90,17 @@ def tune(config=None, *, overrides=(), address=None, trust_code=False):
     bucket); Tune unpickles it.
     """
     from raytrain_app.config import BUILTIN_SWEEP
-    from raytrain_app.sweep.tuning import tune_sweep
+    from raytrain_app.driver.run_start import run_begun
 
     if config is None:
         cfg = load_config(None, overrides, builtin=BUILTIN_SWEEP)
     else:
         cfg = _as_config(config, overrides)
-    return tune_sweep(cfg, address=address, trust_code=trust_code)
+    # A Ray started for the sweep starts beside the imports of Tune and torch.
+    with run_begun(cfg, address, local=False, command="tune"):
+        from raytrain_app.sweep.tuning import tune_sweep
+
+        return tune_sweep(cfg, address=address, trust_code=trust_code)
 
 
 def submit(command, *, address=None, working_dir=".", wait=True, env_vars=()):

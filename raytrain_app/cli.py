@@ -108,9 +108,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from raytrain_app.config import BUILTIN_SWEEP
 
     cfg = load_config(args.config, args.overrides, builtin=BUILTIN_SWEEP)  # as in plan
-    from raytrain_app.sweep.tuning import tune_sweep
-
-    result = tune_sweep(cfg, address=args.address, trust_code=args.trust_code)
+    # raytrain_app.tune: a Ray started for the sweep starts beside its imports
+    result = raytrain_app.tune(cfg, address=args.address, trust_code=args.trust_code)
     metric = cfg.tune.metric
     print(result.trials.drop(columns=["error"]).to_string(index=False, float_format="%.4g"))
     failed = result.trials[result.trials["status"] == "error"]

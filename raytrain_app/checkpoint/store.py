@@ -87,7 +87,7 @@ def _atomic_torch_save(obj: Any, path: Path) -> dict[str, Any]:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open(..., "wb")
     try:
-        out = _DigestingFile(fd)
+        out = _DigestingFile(fd, str(tmp))
         with _without_crc32():
             torch.save(obj, out)
     finally:
@@ -108,8 +108,8 @@ class _DigestingFile:
     "Checkpoints off the step's path").
     """
 
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
+    def __init__(self, fd: int, name: str) -> None:
+        self._fd, self.name = fd, name  # a file object's name: the path it writes
         self.sha256 = hashlib.sha256()
         self.size = 0
 

@@ -222,3 +222,36 @@ def test_a_model_target_not_on_the_path_is_refused_before_a_ray_starts_for_it(
     assert line.endswith("install the package or add its directory to PYTHONPATH")
     assert stood_in.events == []
     assert not (tmp_path / "runs").exists()
+
+
+class TunerStarted(Exception):
+    """Raised by the stand-in tuner: the sweep got past every check and connected."""
+
+
+def test_a_sweep_starts_its_ray_beside_its_checks_too(stood_in, monkeypatch):
+    # `raytrain tune` imported Tune and torch and checked the sweep before Ray's start began.
+    from raytrain_app.sweep import tuning
+
+    def tuner_started(*args, **kwargs):
+        stood_in.events.append("tuner")
+        raise TunerStarted
+
+    monkeypatch.setattr(tuning, "build_tuner", tuner_started)
+    stood_in.hold = True
+    checks_recorded(monkeypatch, stood_in)
+    with pytest.raises(TunerStarted):
+        cli.main(["tune", *SMALL_DATA])
+    assert stood_in.events == ["init_start", "checks", "init_end", "tuner", "shutdown"]
+    assert ray_connection.embedded_ray_starting() is False
+
+
+def test_a_sweep_directory_another_sweep_writes_is_refused_before_a_ray_starts_for_it(
+    stood_in, capsys
+):
+    cfg = load_config(None, [], builtin="wind_sweep.yaml")
+    root = RunDirectory.for_config(cfg).location.uri
+    with hold_run_lease(root, "tune", heartbeat_s=0.05, stale_after_s=30.0):
+        assert cli.main(["tune"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: run directory ") and "is being" in line
+    assert stood_in.events == []

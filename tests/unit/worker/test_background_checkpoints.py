@@ -146,14 +146,14 @@ def test_a_save_that_fails_mid_write_leaves_no_checkpoint_and_fails_the_run(tmp_
     reporter, t = _reporter(session), _trainables()
     _checkpoint(reporter, t, step=1)
     reporter.finish()
-    real_save = torch.save
+    real_write = ckpt._DigestingFile.write
 
-    def disk_full_after_the_weights(obj, path, *args, **kwargs):
-        if Path(path).name.startswith(ckpt.TRAIN_STATE_FILE):
+    def disk_full_after_the_weights(file, data):
+        if Path(file.name).name.startswith(ckpt.TRAIN_STATE_FILE):
             raise OSError(28, "No space left on device")
-        return real_save(obj, path, *args, **kwargs)
+        return real_write(file, data)
 
-    monkeypatch.setattr(torch, "save", disk_full_after_the_weights)
+    monkeypatch.setattr(ckpt._DigestingFile, "write", disk_full_after_the_weights)
     _checkpoint(reporter, t, step=2)  # returns: the failure comes in the writer
     with pytest.raises(OSError, match="No space left"):
         reporter.finish()
