@@ -67,7 +67,8 @@ def test_a_worker_killed_while_writing_a_checkpoint_restarts_and_loses_nothing(r
     killed = json.loads(marker.read_text())
     # 1601 train samples / 32: 50 steps an epoch, so step 70 is 20 steps into epoch 2.
     assert Path(killed["partial"]).name == ckpt.checkpoint_name(1, 70) + ".partial"
-    assert len(killed["written"]) == 1 and ckpt.MANIFEST_FILE not in killed["written"]
+    # The weights whole; the second file begun (its .tmp, opened before torch.save), no more.
+    assert killed["written"] == [ckpt.MODEL_FILE, ckpt.TRAIN_STATE_FILE + ".tmp"]
     assert killed["trained"] > 70, "training waited for the save (train.async_checkpoints)"
     assert result.summary["status"] == "completed"
     checkpoints = result.run_dir / "checkpoints"

@@ -56,7 +56,9 @@ def _die_in_the_write_of(partial: str, marker: Path, trained: Callable[[], int])
 
     def write_one_file_and_die(obj, f, *args, **kwargs):
         nonlocal files
-        directory = Path(f).parent if isinstance(f, str | os.PathLike) else None
+        # raytrain saves into a file object (checkpoint/store.py), named as open() names it.
+        name = f if isinstance(f, str | os.PathLike) else getattr(f, "name", None)
+        directory = Path(name).parent if name is not None else None
         if directory is None or not directory.name.endswith(partial):
             return save(obj, f, *args, **kwargs)
         if files:  # the weights are in: the second file dies with the process
