@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from raytrain_app.checkpoint.direct_file import DigestingFile
 from raytrain_app.errors import BadInputError, first_line
 
 logger = logging.getLogger(__name__)
@@ -83,47 +84,19 @@ def unwrap_model(module: nn.Module) -> nn.Module:
 
 def _atomic_torch_save(obj: Any, path: Path) -> dict[str, Any]:
     """torch.save ``obj`` to ``path`` (whole or not at all); the file's size and SHA-256,
-    as the manifest lists them, taken from the bytes as they were written."""
+    as the manifest lists them, taken from the bytes as they were written.
+
+    torch.save writes into a file object (``DigestingFile``), not to a path: given a path
+    it writes each tensor with the GIL held (0.1-0.35 s for a 200-400 MB tensor, during
+    which the training thread beside a background save cannot run); given a file object it
+    hands each record over as a memoryview, which the file copies, digests and writes with
+    the GIL let go (``benchmarks/README.md``, "Checkpoints off the step's path").
+    """
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open(..., "wb")
-    try:
-        out = _DigestingFile(fd, str(tmp))
-        with _without_crc32():
-            torch.save(obj, out)
-    finally:
-        os.close(fd)
+    with DigestingFile(tmp) as out, _without_crc32():
+        torch.save(obj, out)
     os.replace(tmp, path)
     return {"size": out.size, "sha256": out.sha256.hexdigest()}
-
-
-class _DigestingFile:
-    """What torch.save writes into: a file, unbuffered, and the SHA-256 of its bytes as they
-    pass, so that the manifest needs no second read of the file.
-
-    Given a path, torch.save writes each tensor with the GIL held: 0.1-0.35 s at a time for
-    a 200-400 MB tensor, during which the training thread beside a background save (on a
-    GPU: the one launching its kernels) cannot run. Given a file object, it hands each
-    record over as a memoryview of the tensor's memory, and both ``hashlib`` and
-    ``os.write`` let the GIL go while they work through it (``benchmarks/README.md``,
-    "Checkpoints off the step's path").
-    """
-
-    def __init__(self, fd: int, name: str) -> None:
-        self._fd, self.name = fd, name  # a file object's name: the path it writes
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.sha256.update(view)
-        written = 0
-        while written < len(view):  # a write() may take less than it is given (2 GiB at most)
-            written += os.write(self._fd, view[written:])
-        self.size += written
-        return written
-
-    def flush(self) -> None:  # every write went straight to the file
-        pass
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""A checkpoint's .pt files are digested as they are written (``store._DigestingFile``),
+"""A checkpoint's .pt files are digested as they are written (``direct_file.DigestingFile``),
 not read again for the manifest: what the manifest says must still be the files on disk,
 byte for byte, however the operating system splits the writes."""
 

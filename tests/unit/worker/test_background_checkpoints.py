@@ -20,6 +20,7 @@ from loop_harness import LocalSession, make_task, run_loop
 from torch import nn
 
 from raytrain_app.checkpoint import store as ckpt
+from raytrain_app.checkpoint.direct_file import DigestingFile
 from raytrain_app.checkpoint.train_state import LoopState, Trainables
 from raytrain_app.config import TrainConfig
 from raytrain_app.worker.global_metrics import EpochProgress
@@ -146,14 +147,14 @@ def test_a_save_that_fails_mid_write_leaves_no_checkpoint_and_fails_the_run(tmp_
     reporter, t = _reporter(session), _trainables()
     _checkpoint(reporter, t, step=1)
     reporter.finish()
-    real_write = ckpt._DigestingFile.write
+    real_write = DigestingFile.write
 
     def disk_full_after_the_weights(file, data):
         if Path(file.name).name.startswith(ckpt.TRAIN_STATE_FILE):
             raise OSError(28, "No space left on device")
         return real_write(file, data)
 
-    monkeypatch.setattr(ckpt._DigestingFile, "write", disk_full_after_the_weights)
+    monkeypatch.setattr(DigestingFile, "write", disk_full_after_the_weights)
     _checkpoint(reporter, t, step=2)  # returns: the failure comes in the writer
     with pytest.raises(OSError, match="No space left"):
         reporter.finish()
