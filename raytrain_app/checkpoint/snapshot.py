@@ -7,6 +7,7 @@ it: the plain files of ``store.py``, and with FSDP this rank's shards (``sharded
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 from raytrain_app.checkpoint import sharded, store
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,6 +81,19 @@ class HostCopies:
         if self.pinned:  # the copies were queued on the GPU's stream: they are whole now
             torch.cuda.synchronize()
         return copied
+
+    def prepare(self, state: Any) -> None:
+        """Allocate the buffers ``state``'s tensors are copied into at every checkpoint,
+        ahead of the first one, in the writer's thread while training goes on: the first
+        copy otherwise blocks its step for the allocation (and DCP's import) besides the
+        copy: 1.8-3.1 s for 1.2 GB on a 2-core VM, against 0.15-0.4 s for a later one;
+        page-locking GPU hosts' memory takes longer still. What is copied is discarded
+        (training changes it meanwhile): only the buffers are kept, refilled by the
+        checkpoints. A failure costs the first checkpoint that time, nothing else."""
+        try:
+            self(state)
+        except Exception as exc:  # the checkpoint that needs the buffers will say why
+            logger.warning("host memory for checkpoints was not set aside ahead: %s", exc)
 
     def close(self) -> None:
         if self._stager is not None:

@@ -172,6 +172,19 @@ def snapshot_resumable(
     return Snapshot(**copy(plain))
 
 
+def copied_tensors(trainables: Trainables) -> dict[str, Any]:
+    """The large tensors a plain (not sharded) checkpoint copies into host memory: the
+    weights, the EMA's and the optimizer's state, by reference (``snapshot.HostCopies
+    .prepare`` allocates their buffers before the first checkpoint)."""
+    t = trainables
+    ema = t.ema.module if t.ema is not None else None
+    return {
+        "model": ckpt.unwrap_model(t.model).state_dict(),
+        "ema": ckpt.unwrap_model(ema).state_dict() if ema is not None else None,
+        "optimizer": t.optimizer.state_dict(),
+    }
+
+
 def _loop_state(t: Trainables, state: LoopState, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """What train_state.pt holds besides the optimizer."""
     return {

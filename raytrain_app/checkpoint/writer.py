@@ -9,11 +9,11 @@ that wait is part of the time the checkpoint blocked the step.
 A thread, not a process: on this project's 2-core machine a writer process slowed the
 step no less than a thread (benchmarks/README.md, "Checkpoints off the step's path"),
 and a thread needs no shared memory for the snapshot and serves FSDP's collective DCP
-save alike. torch.save does hold the GIL while it writes each tensor's record (hashlib
-and file writes release it), which a process would not. The thread keeps the training's
-CPU priority: at a lower one (tried: nice 19) a busy host starved it while it held the
-GIL, which stalls the training thread instead, and a save left in flight for many steps
-is a save a failure loses.
+save alike. The save lets the GIL go while it copies, digests and writes each tensor's
+record (``direct_file.py``), so the thread takes no more from the training thread than a
+process would. The thread keeps the training's CPU priority: at a lower one (tried:
+nice 19) a busy host starved it while it held the GIL, which stalls the training thread
+instead, and a save left in flight for many steps is a save a failure loses.
 
 Without ``background`` (a Tune trial, or ``train.async_checkpoints: false``) a save runs
 at once in the caller's thread, as before there was a writer.

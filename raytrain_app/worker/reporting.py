@@ -28,6 +28,7 @@ from raytrain_app.checkpoint.store import checkpoint_name
 from raytrain_app.checkpoint.train_state import (
     LoopState,
     Trainables,
+    copied_tensors,
     rng_state,
     snapshot_resumable,
 )
@@ -63,6 +64,20 @@ class Reporter:
         self._copy = HostCopies(pinned=device.type == "cuda") if background else None
         self._timeout_s = timeout_s  # of the writer's process group (FSDP)
         self._group: Any = None
+        self._prepared = False
+
+    def prepare(self, trainables: Trainables) -> None:
+        """Once, after the first optimizer step (when the optimizer's state exists): let
+        the writer allocate the host copies of rank 0's checkpoints while training goes
+        on (``HostCopies.prepare``), so that the first checkpoint blocks its step only for
+        the copy. A sharded model's state is gathered with collectives, on the training
+        thread only: its first checkpoint still allocates."""
+        if self._prepared or self._copy is None:
+            return
+        self._prepared = True
+        if is_rank_zero() and not is_sharded(trainables.model):
+            sources = copied_tensors(trainables)  # references, taken on the training thread
+            self.writer.submit(functools.partial(self._copy.prepare, sources))
 
     def report(
         self,

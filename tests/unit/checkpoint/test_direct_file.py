@@ -6,6 +6,7 @@ at a write) gets the same file through the page cache."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import random
@@ -134,7 +135,7 @@ def test_a_filesystem_that_refuses_direct_writes_gets_the_same_file(
     real_write = os.write
 
     def refused_while_direct(fd, data):
-        if direct_file.fcntl.fcntl(fd, direct_file.fcntl.F_GETFL) & os.O_DIRECT:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(fd, data)
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from raytrain_app.checkpoint import store as ckpt
 from raytrain_app.checkpoint.direct_file import DigestingFile
+from raytrain_app.checkpoint.snapshot import HostCopies
 from raytrain_app.checkpoint.train_state import LoopState, Trainables
 from raytrain_app.config import TrainConfig
 from raytrain_app.worker.global_metrics import EpochProgress
@@ -113,6 +114,71 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_its_own_ste
         assert torch.equal(optimizer["state"][i]["exp_avg"], expected)
     assert optimizer["state"][0]["step"].item() == 1
     assert ckpt.read_meta(saved)["saving"]["background"] is True
+
+
+def test_the_first_checkpoints_host_memory_is_set_aside_ahead_and_holds_its_own_step(tmp_path):
+    """After the first optimizer step the writer allocates the host copies (``prepare``),
+    so that the first checkpoint only refills them; what it saves is its own step's state,
+    never what was copied ahead."""
+    session = InProcessSession(tmp_path / "ckpt")
+    reporter, t = _reporter(session), _trainables()
+    _train(t)
+    reporter.prepare(t)
+    reporter.prepare(t)  # once: later calls do nothing
+    reporter.writer.wait()
+    set_aside = reporter._copy._stager._cached_storage_mapping
+    moments = [s[name] for s in t.optimizer.state.values() for name in ("exp_avg", "exp_avg_sq")]
+    for tensor in [*t.model.state_dict().values(), *moments]:
+        assert tensor.untyped_storage() in set_aside
+    _train(t, steps=2)  # what was copied ahead is stale now
+    weights, moments = _copy_of(t)
+    _checkpoint(reporter, t, step=3)
+    reporter.finish()
+    [saved] = session.checkpoints()
+    for key, tensor in ckpt.load_tensors(saved / ckpt.MODEL_FILE).items():
+        assert torch.equal(tensor, weights[key]), key
+    optimizer = ckpt.load_train_state(saved)["optimizer"]
+    for i, expected in moments.items():
+        assert torch.equal(optimizer["state"][i]["exp_avg"], expected)
+    assert optimizer["state"][0]["step"].item() == 3
+    reporter.close()
+
+
+def test_the_loop_sets_the_host_memory_aside_once_after_its_first_step(tmp_path, monkeypatch):
+    prepared = []
+    real_prepare = HostCopies.prepare
+
+    def recorded(self, state):
+        prepared.append(bool(state["optimizer"]["state"]))  # AdamW's moments exist
+        return real_prepare(self, state)
+
+    monkeypatch.setattr(HostCopies, "prepare", recorded)
+    result, _ = run_loop(make_task(tmp_path), LocalSession(tmp_path / "ckpt"))
+    assert prepared == [True]
+    assert result["history"], "the loop trained"
+
+
+def test_a_failure_to_set_the_host_memory_aside_costs_only_the_time(tmp_path, monkeypatch, caplog):
+    session = InProcessSession(tmp_path / "ckpt")
+    reporter, t = _reporter(session), _trainables()
+    _train(t)
+    real_call = HostCopies.__call__
+    calls = []
+
+    def out_of_memory_once(self, state):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("cannot allocate memory")
+        return real_call(self, state)
+
+    monkeypatch.setattr(HostCopies, "__call__", out_of_memory_once)
+    reporter.prepare(t)
+    _checkpoint(reporter, t, step=1)  # waits for prepare, which failed quietly
+    reporter.finish()
+    [saved] = session.checkpoints()
+    ckpt.verify_checkpoint(saved)
+    assert "was not set aside ahead: cannot allocate memory" in caplog.text
+    reporter.close()
 
 
 def test_one_save_in_flight_the_next_checkpoint_waits_for_it_and_counts_the_wait(
