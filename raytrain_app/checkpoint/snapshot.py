@@ -8,6 +8,7 @@ it: the plain files of ``store.py``, and with FSDP this rank's shards (``sharded
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,7 @@ class HostCopies:
             torch.cuda.synchronize()
         return copied
 
-    def prepare(self, state: Any) -> None:
+    def prepare(self, state: Any, device: torch.device) -> None:
         """Allocate the buffers ``state``'s tensors are copied into at every checkpoint,
         ahead of the first one, in the writer's thread while training goes on: the first
         copy otherwise blocks its step for the allocation (and DCP's import) besides the
@@ -91,7 +92,10 @@ class HostCopies:
         (training changes it meanwhile): only the buffers are kept, refilled by the
         checkpoints. A failure costs the first checkpoint that time, nothing else."""
         try:
-            self(state)
+            # The writer's thread starts on the first GPU: copy from (and wait for) the
+            # training's own device.
+            with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+                self(state)
         except Exception as exc:  # the checkpoint that needs the buffers will say why
             logger.warning("host memory for checkpoints was not set aside ahead: %s", exc)
 

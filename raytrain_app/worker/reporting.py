@@ -62,6 +62,7 @@ class Reporter:
         self.writer = CheckpointWriter(background)
         # Saves written at once need no copy of the state: it cannot change before.
         self._copy = HostCopies(pinned=device.type == "cuda") if background else None
+        self._device = device
         self._timeout_s = timeout_s  # of the writer's process group (FSDP)
         self._group: Any = None
         self._prepared = False
@@ -77,7 +78,7 @@ class Reporter:
         self._prepared = True
         if is_rank_zero() and not is_sharded(trainables.model):
             sources = copied_tensors(trainables)  # references, taken on the training thread
-            self.writer.submit(functools.partial(self._copy.prepare, sources))
+            self.writer.submit(functools.partial(self._copy.prepare, sources, self._device))
 
     def report(
         self,

@@ -97,3 +97,33 @@ def test_copies_do_not_depend_on_torch_2_11s_default_stager(monkeypatch):
         copied = copies(state)
         assert torch.equal(copied["model"]["2.bias"], expected["model"]["2.bias"])
     copies.close()
+
+
+def test_buffers_set_aside_ahead_are_copied_on_the_trainings_own_gpu(monkeypatch):
+    """``prepare`` runs in the writer's thread, whose current GPU is the first one: it
+    copies from (and waits for) the device the training runs on. The GPU is faked here:
+    what is checked is which device the copy is made under."""
+    entered = []
+
+    class FakeDevice:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    model, optimizer, scheduler = _trainables()
+    _train_step(model, optimizer, scheduler)
+    copies = HostCopies(pinned=False)
+    copies.prepare(_state(model, optimizer, scheduler), torch.device("cuda", 1))
+    assert entered == [torch.device("cuda", 1)]
+    # The buffers it set aside are the ones the next checkpoint refills.
+    set_aside = copies._stager._cached_storage_mapping
+    assert all(t.untyped_storage() in set_aside for t in model.state_dict().values())
+    copies.prepare(_state(model, optimizer, scheduler), torch.device("cpu"))
+    assert entered == [torch.device("cuda", 1)]  # on the CPU, no GPU is entered
+    copies.close()

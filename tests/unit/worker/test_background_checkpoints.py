@@ -148,9 +148,9 @@ def test_the_loop_sets_the_host_memory_aside_once_after_its_first_step(tmp_path,
     prepared = []
     real_prepare = HostCopies.prepare
 
-    def recorded(self, state):
+    def recorded(self, state, device):
         prepared.append(bool(state["optimizer"]["state"]))  # AdamW's moments exist
-        return real_prepare(self, state)
+        return real_prepare(self, state, device)
 
     monkeypatch.setattr(HostCopies, "prepare", recorded)
     result, _ = run_loop(make_task(tmp_path), LocalSession(tmp_path / "ckpt"))
