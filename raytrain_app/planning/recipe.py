@@ -3,7 +3,7 @@
 ``train.optimizer`` and ``train.schedule`` may name classes by import path: here they are
 imported, their params checked against the signature and tried once on a dummy parameter,
 so that a typo is a one-line error naming the key on the driver, not a failure in every
-worker. The schedule's multiplier of the peak lr is a pure function of the optimizer step
+worker. A built-in name needs no try: its arguments are the schema's, already checked. The schedule's multiplier of the peak lr is a pure function of the optimizer step
 (``lr_multiplier``), so 1, 2 or 64 workers see the same lr at the same global step.
 """
 
@@ -140,6 +140,11 @@ def optimizer_recipe(train: TrainConfig, use_gpu: bool = False) -> OptimizerReci
         fused = OptimizerRecipe(target, cls, {**params, "fused": True}, takes_decay, True)
         if _error(lambda: _stand_in(fused, train)) is None:
             return fused
+    if isinstance(train.optimizer, str):
+        # A built-in name takes only lr (> 0) and weight_decay (>= 0), which the schema
+        # checked: it builds. Building it here would import torch._dynamo (every torch
+        # optimizer's constructor does), 1.4 s of CPU beside the embedded Ray's start.
+        return recipe
     _try_optimizer(recipe, train)
     return recipe
 
@@ -215,6 +220,10 @@ def check_schedule(train: TrainConfig, recipe: OptimizerRecipe) -> None:
     params = train.schedule.params
 
     def first_steps() -> None:
+        if cls is None:  # a named schedule is a pure function of the step: no optimizer
+            multiplier = lr_multiplier(train, train.warmup_steps + 1, 1)
+            multiplier(0), multiplier(train.warmup_steps)  # LambdaLR's first, the first after
+            return
         with warnings.catch_warnings():  # torch warns of a scheduler stepped before its optimizer
             warnings.simplefilter("ignore")
             build_schedule(_stand_in(recipe, train), train, train.warmup_steps + 1, 1)

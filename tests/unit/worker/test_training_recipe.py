@@ -4,6 +4,8 @@ configure_optimizers hook and early stopping, run in this process or on two gloo
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -321,3 +323,22 @@ def test_a_tune_trial_its_rule_stopped_counts_as_finished():
     assert _stopped_by_rule(cfg, history, epochs=2)  # its own rule: completed, not failed
     improving = pd.DataFrame({"epoch": [1, 2], "val_loss": [1.0, 0.5]})
     assert not _stopped_by_rule(cfg, improving, epochs=2)  # ASHA stopped it
+
+
+def test_planning_a_built_in_recipe_builds_no_optimizer():
+    """A built-in optimizer and schedule are checked without building a torch optimizer,
+    whose constructor imports torch._dynamo: 1.4 s of CPU that ``raytrain plan`` and a
+    cold ``raytrain train`` (beside its embedded Ray's start) would pay for nothing. In a
+    fresh process: this one has imported torch._dynamo long ago."""
+    check = (
+        "import sys\n"
+        "from raytrain_app.config import config_from_dict\n"
+        "from raytrain_app.planning.environment import detect_environment\n"
+        "from raytrain_app.planning.rules import make_plan\n"
+        "for name in ('adamw', 'adam', 'sgd'):\n"
+        "    train = {'optimizer': name, 'schedule': {'name': 'step', 'step_size': 2}}\n"
+        "    make_plan(config_from_dict({'train': train}), detect_environment())\n"
+        "assert 'torch._dynamo' not in sys.modules, 'an optimizer was built'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
