@@ -3,7 +3,8 @@
 ``train.optimizer`` and ``train.schedule`` may name classes by import path: here they are
 imported, their params checked against the signature and tried once on a dummy parameter,
 so that a typo is a one-line error naming the key on the driver, not a failure in every
-worker. A built-in name needs no try: its arguments are the schema's, already checked. The schedule's multiplier of the peak lr is a pure function of the optimizer step
+worker. A built-in name needs no try: its arguments are the schema's, already checked.
+The schedule's multiplier of the peak lr is a pure function of the optimizer step
 (``lr_multiplier``), so 1, 2 or 64 workers see the same lr at the same global step.
 """
 
