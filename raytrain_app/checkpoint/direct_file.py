@@ -60,7 +60,6 @@ class DigestingFile:
         self._fd, self.direct = _open_new(self.name, direct and bool(_O_DIRECT))
         self._buffer = mmap.mmap(-1, BUFFER_BYTES) if self.direct else None
         self._gathered = np.frombuffer(self._buffer, np.uint8) if self._buffer else None
-        self._window = memoryview(self._buffer) if self._buffer else None
         self._filled = 0
 
     def write(self, data: Any) -> int:
@@ -76,7 +75,7 @@ class DigestingFile:
             start = self._filled
             part = source[taken : taken + min(BUFFER_BYTES - start, DIGEST_BYTES)]
             self._gathered[start : start + len(part)] = part  # the GIL let go
-            self.sha256.update(self._window[start : start + len(part)])  # still in cache
+            self.sha256.update(self._gathered[start : start + len(part)])  # still in cache
             self._filled += len(part)
             taken += len(part)
             if self._filled == BUFFER_BYTES:
@@ -98,14 +97,12 @@ class DigestingFile:
         try:
             if self._filled:
                 self._cached()  # the tail is not a whole block
-                _write_all(self._fd, self._window[: self._filled])
+                _write_all(self._fd, memoryview(self._gathered[: self._filled]))
                 self._filled = 0
         finally:
             os.close(self._fd)
             self._fd = -1
-            self._gathered = None
-            if self._window is not None:
-                self._window.release()
+            self._gathered = None  # the buffer's last view: it can be closed now
             if self._buffer is not None:
                 self._buffer.close()
 
@@ -118,7 +115,7 @@ class DigestingFile:
         self.close()
 
     def _write_gathered(self) -> None:
-        whole = self._window[: self._filled]
+        whole = memoryview(self._gathered[: self._filled])
         try:
             written = os.write(self._fd, whole)
         except OSError as exc:

@@ -163,10 +163,11 @@ def snapshot_resumable(
         # The full state dicts are new copies already, gathered onto rank 0's CPU.
         rest = copy({"meta": meta, "train_state": _loop_state(t, state, ranks)})
         return Snapshot(model=model_state, ema=ema_state, shards=copy(shards), **rest)
+    tensors = copied_tensors(t)
     plain = {
-        "model": ckpt.unwrap_model(t.model).state_dict(),
-        "ema": ckpt.unwrap_model(ema).state_dict() if ema is not None else None,
-        "train_state": {"optimizer": t.optimizer.state_dict(), **_loop_state(t, state, ranks)},
+        "model": tensors["model"],
+        "ema": tensors["ema"],
+        "train_state": {"optimizer": tensors["optimizer"], **_loop_state(t, state, ranks)},
         "meta": meta,
     }
     return Snapshot(**copy(plain))
@@ -174,8 +175,8 @@ def snapshot_resumable(
 
 def copied_tensors(trainables: Trainables) -> dict[str, Any]:
     """The large tensors a plain (not sharded) checkpoint copies into host memory: the
-    weights, the EMA's and the optimizer's state, by reference (``snapshot.HostCopies
-    .prepare`` allocates their buffers before the first checkpoint)."""
+    weights, the EMA's and the optimizer's state, by reference. What every checkpoint
+    copies, and what ``snapshot.HostCopies.prepare`` allocates buffers for ahead."""
     t = trainables
     ema = t.ema.module if t.ema is not None else None
     return {

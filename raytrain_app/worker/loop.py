@@ -259,7 +259,7 @@ class WorkerLoop:
                 progress.skipped_steps += 1
             self.state.step += 1
             self.state.step_in_epoch = step_in_epoch + 1
-            self.reporter.prepare(self._trainables())  # once: the checkpoints' host memory
+            self.reporter.prepare(self._trainables)  # once: the checkpoints' host memory
             elapsed = progress.elapsed_s + time.perf_counter() - start
             self.telemetry.after_step(
                 self.state, epoch, outcome.last_loss, elapsed, self.tracker, self.stepper.lr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict
 from datetime import timedelta
@@ -67,17 +68,20 @@ class Reporter:
         self._group: Any = None
         self._prepared = False
 
-    def prepare(self, trainables: Trainables) -> None:
+    def prepare(self, trainables: Callable[[], Trainables]) -> None:
         """Once, after the first optimizer step (when the optimizer's state exists): let
         the writer allocate the host copies of rank 0's checkpoints while training goes
         on (``HostCopies.prepare``), so that the first checkpoint blocks its step only for
         the copy. A sharded model's state is gathered with collectives, on the training
-        thread only: its first checkpoint still allocates."""
+        thread only: its first checkpoint still allocates.
+
+        Called after every step: ``trainables`` is asked for only the first time."""
         if self._prepared or self._copy is None:
             return
         self._prepared = True
-        if is_rank_zero() and not is_sharded(trainables.model):
-            sources = copied_tensors(trainables)  # references, taken on the training thread
+        t = trainables()
+        if is_rank_zero() and not is_sharded(t.model):
+            sources = copied_tensors(t)  # references, taken on the training thread
             self.writer.submit(functools.partial(self._copy.prepare, sources, self._device))
 
     def report(

@@ -89,6 +89,17 @@ def _copy_of(t: Trainables) -> tuple[dict, dict]:
     return {k: v.clone() for k, v in t.model.state_dict().items()}, moments
 
 
+def _assert_holds(saved, weights: dict, moments: dict, step: int) -> None:
+    """The checkpoint ``saved`` holds ``weights`` and AdamW's ``moments`` (``_copy_of``)
+    as they were at optimizer step ``step``."""
+    for key, tensor in ckpt.load_tensors(saved / ckpt.MODEL_FILE).items():
+        assert torch.equal(tensor, weights[key]), key
+    optimizer = ckpt.load_train_state(saved)["optimizer"]
+    for i, expected in moments.items():
+        assert torch.equal(optimizer["state"][i]["exp_avg"], expected)
+    assert optimizer["state"][0]["step"].item() == step
+
+
 def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_its_own_step(
     tmp_path, monkeypatch
 ):
@@ -107,12 +118,7 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_its_own_ste
     reporter.finish()
     [saved] = session.checkpoints()
     ckpt.verify_checkpoint(saved)
-    for key, tensor in ckpt.load_tensors(saved / ckpt.MODEL_FILE).items():
-        assert torch.equal(tensor, weights[key]), key
-    optimizer = ckpt.load_train_state(saved)["optimizer"]
-    for i, expected in moments.items():
-        assert torch.equal(optimizer["state"][i]["exp_avg"], expected)
-    assert optimizer["state"][0]["step"].item() == 1
+    _assert_holds(saved, weights, moments, step=1)
     assert ckpt.read_meta(saved)["saving"]["background"] is True
 
 
@@ -123,8 +129,8 @@ def test_the_first_checkpoints_host_memory_is_set_aside_ahead_and_holds_its_own_
     session = InProcessSession(tmp_path / "ckpt")
     reporter, t = _reporter(session), _trainables()
     _train(t)
-    reporter.prepare(t)
-    reporter.prepare(t)  # once: later calls do nothing
+    reporter.prepare(lambda: t)
+    reporter.prepare(lambda: pytest.fail("asked again"))  # once: later calls do nothing
     reporter.writer.wait()
     set_aside = reporter._copy._stager._cached_storage_mapping
     moments = [s[name] for s in t.optimizer.state.values() for name in ("exp_avg", "exp_avg_sq")]
@@ -135,12 +141,7 @@ def test_the_first_checkpoints_host_memory_is_set_aside_ahead_and_holds_its_own_
     _checkpoint(reporter, t, step=3)
     reporter.finish()
     [saved] = session.checkpoints()
-    for key, tensor in ckpt.load_tensors(saved / ckpt.MODEL_FILE).items():
-        assert torch.equal(tensor, weights[key]), key
-    optimizer = ckpt.load_train_state(saved)["optimizer"]
-    for i, expected in moments.items():
-        assert torch.equal(optimizer["state"][i]["exp_avg"], expected)
-    assert optimizer["state"][0]["step"].item() == 3
+    _assert_holds(saved, weights, moments, step=3)
     reporter.close()
 
 
@@ -172,7 +173,7 @@ def test_a_failure_to_set_the_host_memory_aside_costs_only_the_time(tmp_path, mo
         return real_call(self, state)
 
     monkeypatch.setattr(HostCopies, "__call__", out_of_memory_once)
-    reporter.prepare(t)
+    reporter.prepare(lambda: t)
     _checkpoint(reporter, t, step=1)  # waits for prepare, which failed quietly
     reporter.finish()
     [saved] = session.checkpoints()
