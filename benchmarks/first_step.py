@@ -198,7 +198,8 @@ def ray_train_log_events(ray_tmp: Path) -> dict[str, Any]:
 
 # Intervals of the traced cold run: (name, from event, to event). The driver's overlap:
 # the embedded Ray starts beside its imports and checks, and the imports nest (raytrain's
-# driver imports torch and Ray Train); from Ray Train's controller on they follow each other.
+# driver imports torch and Ray Train); from Ray Train's controller on they follow each other
+# (on an embedded Ray the controller is a thread of the driver: driver.controller_in_driver).
 PHASES = [
     ("python start-up", "launch", "interpreter_ready"),
     ("import ray", "ray_import_start", "ray_imported"),
@@ -214,7 +215,7 @@ PHASES = [
     ("Ray up, plan, run directory", "checks_end", "preflight_start"),
     ("preflight: generate data, build data + model", "preflight_start", "preflight_end"),
     ("write config, build task", "preflight_end", "fit_start"),
-    ("Ray Train controller actor + helper actors up", "fit_start", "controller_ready"),
+    ("Ray Train controller up (actor, or driver thread)", "fit_start", "controller_ready"),
     ("2 worker actor processes start", "controller_ready", "worker_actors_created"),
     ("train context on workers", "worker_actors_created", "train_context_initialized"),
     ("gloo process group, launch train fn", "train_context_initialized", "train_fn_launched"),

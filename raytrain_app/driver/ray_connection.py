@@ -31,6 +31,7 @@ from raytrain_app.driver.reachability import check_reachable
 from raytrain_app.errors import RunFailedError, first_line
 from raytrain_app.planning.cluster_resources import ray_cluster_resources
 from raytrain_app.planning.environment import (
+    LOCAL_DASHBOARD_HOST,
     Environment,
     apply_ray_train_defaults,
     dashboard_host,
@@ -161,10 +162,10 @@ def _warn_if_token_readable() -> None:
 @dataclass(frozen=True)
 class _EmbeddedRay:
     """What ``ray.init()`` of an embedded Ray is given: this machine's CPUs (as the plan
-    assumed) and the dashboard's interface."""
+    assumed) and the dashboard UI's interface (None: no UI)."""
 
     num_cpus: int
-    dashboard_host: str
+    dashboard_host: str | None
 
     @classmethod
     def of(cls, env: Environment) -> _EmbeddedRay:
@@ -180,14 +181,15 @@ def _start_embedded_ray(start: _EmbeddedRay) -> None:
     """``ray.init()`` of a single-machine cluster on loopback, its token file private."""
     if _token_to_generate():
         _create_private_token()
-    # An embedded single-machine cluster sized like the plan assumed. It keeps Ray's
-    # dashboard (the run's workers, logs, stacks; leaving it out saved no measurable
-    # start-up time). Its job server runs code, so it binds to localhost unless the user
-    # opts in.
+    # An embedded single-machine cluster sized like the plan assumed. Ray's dashboard UI
+    # only where asked for (RAYTRAIN_DASHBOARD_HOST): ray.init() waits for its modules'
+    # processes. Ray's job server runs either way and runs code, so it binds to localhost
+    # unless the user names another interface.
     with _without_start_notices(), _listening_on_loopback_only():
         ray.init(
             num_cpus=start.num_cpus,
-            dashboard_host=start.dashboard_host,
+            include_dashboard=start.dashboard_host is not None,
+            dashboard_host=start.dashboard_host or LOCAL_DASHBOARD_HOST,
             logging_level=logging.WARNING,
             _node_ip_address=LOOPBACK,
         )

@@ -9,7 +9,8 @@ itself or cannot use.
 - On a Ray this process started (``ray.init()`` without an address: it ends with this
   process) there is no autoscaler to ask for resources and no placement group can outlive
   the driver, so the autoscaling-coordinator and placement-group-cleaner actors are not
-  started.
+  started, and Ray Train's controller runs in this process rather than as an actor
+  (``driver.controller_in_driver``).
 
 Each is one more process that starts and imports Ray before the first step, and two of
 them kept polling during training (benchmarks/README.md has the cost). These are Ray
@@ -33,6 +34,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raytrain_app.checkpoint.ranking import checkpoint_retention
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.driver import ray_internals as internals
+from raytrain_app.driver.controller_in_driver import run_controller_in_driver, runs_here
 from raytrain_app.driver.run_control import DriverControl
 from raytrain_app.driver.signals import stop_on_signals
 from raytrain_app.planning.environment import training_worker_env_vars
@@ -93,6 +95,8 @@ class RaytrainTorchTrainer(TorchTrainer):
         if added:
             propagated.update(added)
         try:
+            if self._embedded_ray and runs_here(controller_init_kwargs):
+                return run_controller_in_driver(controller_init_kwargs)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
         finally:
             if added:

@@ -47,23 +47,30 @@ def init_calls(monkeypatch, home) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("variables", "host"),
-    [({}, "127.0.0.1"), ({"RAYTRAIN_DASHBOARD_HOST": "0.0.0.0"}, "0.0.0.0")],
+    ("variables", "ui", "host"),
+    [
+        ({}, False, "127.0.0.1"),
+        ({"RAYTRAIN_DASHBOARD_HOST": "127.0.0.1"}, True, "127.0.0.1"),
+        ({"RAYTRAIN_DASHBOARD_HOST": "0.0.0.0"}, True, "0.0.0.0"),
+    ],
 )
-def test_an_embedded_ray_binds_its_dashboard_to_localhost_unless_opted_in(
-    init_calls, variables, host
+def test_an_embedded_ray_has_a_dashboard_ui_only_where_asked_and_binds_localhost_unless_told(
+    init_calls, variables, ui, host
 ):
+    # Without the UI Ray still serves its job API, on dashboard_host: localhost.
     with ray_connection.ray_session(None, detect_environment(variables)) as env:
         assert env.resources.source == "this machine"
     (call,) = init_calls
-    assert call["dashboard_host"] == host and "address" not in call
+    assert call["include_dashboard"] is ui and call["dashboard_host"] == host
+    assert "address" not in call
 
 
 def test_connecting_to_a_cluster_starts_no_dashboard(init_calls):
     with ray_connection.ray_session("10.0.0.1:6379", detect_environment({})):
         pass
     (call,) = init_calls
-    assert call["address"] == "10.0.0.1:6379" and "dashboard_host" not in call
+    assert call["address"] == "10.0.0.1:6379"
+    assert "dashboard_host" not in call and "include_dashboard" not in call
 
 
 def test_an_embedded_ray_turns_off_cluster_only_ray_train_features_while_it_runs(

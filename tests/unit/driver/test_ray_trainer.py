@@ -16,6 +16,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from raytrain_app.driver import ray_internals
+from raytrain_app.driver import trainer as trainer_module
 from raytrain_app.driver.ray_internals import (
     DatasetsCallback,
     ElasticScalingPolicy,
@@ -32,8 +33,11 @@ INTERNALS = (
     "train_constants",
     "DatasetsCallback",
     "PlacementGroupCleanerCallback",
+    "StateManagerCallback",
     "FixedScalingPolicy",
     "ElasticScalingPolicy",
+    "TrainController",
+    "WorkerGroup",
 )
 
 
@@ -122,33 +126,53 @@ class _Captured(Exception):
 
 @pytest.fixture
 def controller_start(monkeypatch):
-    """Ray's controller start replaced by one that records its arguments and the variables
-    the controller would get, instead of running anything."""
+    """Ray's controller start (an actor) and raytrain's (in the driver) replaced by ones
+    that record where the controller would run, its arguments and the variables an actor
+    would get, instead of running anything."""
 
-    def start(self, **kwargs):
-        propagated = getattr(ray_internals.train_constants, "ENV_VARS_TO_PROPAGATE", set())
-        raise _Captured(kwargs, set(propagated))
+    def recorder(where: str):
+        def start(*args, **kwargs):
+            kwargs = args[-1] if where == "driver" else kwargs
+            propagated = getattr(ray_internals.train_constants, "ENV_VARS_TO_PROPAGATE", set())
+            raise _Captured(where, kwargs, set(propagated))
 
-    monkeypatch.setattr(TorchTrainer, "_initialize_and_run_controller", start)
+        return start
+
+    monkeypatch.setattr(TorchTrainer, "_initialize_and_run_controller", recorder("actor"))
+    monkeypatch.setattr(trainer_module, "run_controller_in_driver", recorder("driver"))
 
 
-def _started_with(trainer: RaytrainTorchTrainer, policy) -> tuple[object, set[str]]:
+def _started_with(
+    trainer: RaytrainTorchTrainer, policy, callbacks: list | None = None
+) -> tuple[str, object, set[str]]:
     with pytest.raises(_Captured) as captured:
-        trainer._initialize_and_run_controller(scaling_policy=policy)
-    kwargs, propagated = captured.value.args
-    return kwargs["scaling_policy"], propagated
+        trainer._initialize_and_run_controller(scaling_policy=policy, callbacks=callbacks or [])
+    where, kwargs, propagated = captured.value.args
+    return where, kwargs["scaling_policy"], propagated
 
 
 def test_the_controller_gets_raytrains_policies_and_the_storage_variables(controller_start):
     fixed = FixedScalingPolicy(ray.train.ScalingConfig(num_workers=2))
     storage_env = {"AWS_ENDPOINT_URL": "http://s3.example:9000"}  # planning.store_variables'
-    policy, propagated = _started_with(_trainer(True, storage_env=storage_env), fixed)
+    _, policy, propagated = _started_with(_trainer(True, storage_env=storage_env), fixed)
     assert type(policy) is _FixedScalingWithoutAutoscaler and "AWS_ENDPOINT_URL" in propagated
     elastic = ElasticScalingPolicy(ray.train.ScalingConfig(num_workers=(1, 2)))
-    policy, _ = _started_with(_trainer(embedded_ray=False), elastic)
+    _, policy, _ = _started_with(_trainer(embedded_ray=False), elastic)
     assert type(policy) is _ElasticScalingOnCurrentNodes
     # Lent for the start only: Ray's own set is as it was.
     assert "AWS_ENDPOINT_URL" not in ray_internals.train_constants.ENV_VARS_TO_PROPAGATE
+
+
+def test_on_an_embedded_ray_the_controller_runs_in_the_driver_unless_it_needs_an_actor_id(
+    controller_start,
+):
+    fixed = FixedScalingPolicy(ray.train.ScalingConfig(num_workers=2))
+    assert _started_with(_trainer(embedded_ray=True), fixed)[0] == "driver"
+    # A cluster's Ray: Ray's controller actor, as Ray Train runs it.
+    assert _started_with(_trainer(embedded_ray=False), fixed)[0] == "actor"
+    # Ray Train's state tracking records the controller's actor id: it keeps the actor.
+    tracking = ray_internals.StateManagerCallback.__new__(ray_internals.StateManagerCallback)
+    assert _started_with(_trainer(embedded_ray=True), fixed, [tracking])[0] == "actor"
 
 
 def test_on_a_ray_without_the_internals_the_trainer_keeps_rays_defaults(
@@ -162,8 +186,8 @@ def test_on_a_ray_without_the_internals_the_trainer_keeps_rays_defaults(
         monkeypatch.setattr(ray_internals, name, None)
     trainer = _trainer(embedded_ray=True)
     assert _callback_types(trainer) == defaults
-    policy, propagated = _started_with(trainer, fixed)
-    assert policy is fixed and propagated == set()
+    where, policy, propagated = _started_with(trainer, fixed)
+    assert where == "actor" and policy is fixed and propagated == set()
 
 
 def test_a_missing_internal_module_reads_as_none():

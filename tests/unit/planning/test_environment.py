@@ -177,8 +177,8 @@ def test_reads_the_real_process_environment(monkeypatch):
     assert env.launcher == "slurm" and env.resources.cpus == 3 and env.ray_address == "auto"
 
 
-def test_dashboard_binds_to_localhost_unless_the_user_opts_in():
-    assert detect_environment({}).dashboard_host == "127.0.0.1"
-    assert detect_environment({"RAYTRAIN_DASHBOARD_HOST": ""}).dashboard_host == "127.0.0.1"
-    opted_in = detect_environment({"RAYTRAIN_DASHBOARD_HOST": "0.0.0.0"})
-    assert opted_in.dashboard_host == "0.0.0.0"
+def test_the_dashboard_ui_is_only_where_the_user_asks_for_it_on_the_interface_named():
+    assert detect_environment({}).dashboard_host is None
+    assert detect_environment({"RAYTRAIN_DASHBOARD_HOST": ""}).dashboard_host is None
+    for host in ("127.0.0.1", "0.0.0.0"):
+        assert detect_environment({"RAYTRAIN_DASHBOARD_HOST": host}).dashboard_host == host

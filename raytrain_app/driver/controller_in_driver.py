@@ -1,0 +1,186 @@
+"""Ray Train's controller run in the driver process, for a Ray that this process started.
+
+Ray Train runs its controller (``TrainController``: it starts the worker group, polls it,
+restarts it after a failure, keeps the checkpoint bookkeeping) as an actor: one more
+process, which starts Python, imports Ray Train and torch, and only then asks for the
+workers. On 2 cores that is 3-4 s on the way to the first step
+(``benchmarks/first_step.py``). The driver has imported both already, and on an embedded
+Ray (``ray.init()`` without an address) the actor gains nothing in return: the Ray ends
+with the driver, and with it every actor the run owns. So there the same controller runs
+on an event loop in a thread of this process, and the caller waits for it.
+
+What differs from the actor, and why it does not matter to raytrain:
+
+- The workers get no handle to the controller. Ray Train uses it only for
+  ``ray.train.get_all_reported_checkpoints()``, which raytrain's loop does not call; a
+  worker that does gets one sentence saying why (``_NoControllerActor``).
+- Ray Train's controller log lines go to this process's ``ray.train`` logger (its files
+  under the session's ``logs/train/``, and the console at the run's log level), where the
+  actor's reached the console through Ray's log monitor.
+- Ray Train's state tracking (``RAY_TRAIN_ENABLE_STATE_TRACKING``) and placement-group
+  cleaner record the controller actor's id; a run with either stays with the actor
+  (``runs_here``).
+
+These are Ray Train V2 internals (``ray_internals``); on a Ray without them the controller
+is Ray's actor, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from typing import Any
+
+import ray
+
+from raytrain_app.driver import ray_internals as internals
+
+logger = logging.getLogger(__name__)
+
+# How long an interrupted driver gives the controller to stop the workers (Ray's abort).
+_ABORT_TIMEOUT_S = 30.0
+
+
+class _NoControllerActor:
+    """What the workers get for the controller's actor handle: there is none."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # pickling and copying look these up
+            raise AttributeError(name)
+        raise RuntimeError(
+            "the Ray Train controller of this run is in its driver (raytrain runs it there on "
+            "a Ray it started), so ray.train.get_all_reported_checkpoints() is not available "
+            "to the workers; read the run directory's checkpoints instead."
+        )
+
+
+def runs_here(controller_kwargs: dict[str, Any]) -> bool:
+    """Whether this Ray has what running the controller here takes, and none of the run's
+    controller callbacks needs the controller's actor id."""
+    if internals.TrainController is None or internals.WorkerGroup is None:
+        return False
+    # Where Ray has no such class, it cannot be among the callbacks either.
+    needing_an_actor = tuple(
+        cls
+        for cls in (internals.StateManagerCallback, internals.PlacementGroupCleanerCallback)
+        if cls is not None
+    )
+    callbacks = controller_kwargs.get("callbacks") or []
+    return not any(isinstance(callback, needing_an_actor) for callback in callbacks)
+
+
+# Ray's classes where this Ray has them; a stand-in base elsewhere keeps the module
+# importable (the classes are then never used: see runs_here).
+_WorkerGroupBase: type = internals.WorkerGroup or object
+_ControllerBase: type = internals.TrainController or object
+
+
+class _WorkerGroupOfADriverController(_WorkerGroupBase):
+    """Ray Train's worker group, but for the controller handle it gives the workers."""
+
+    # Ray's method (the same in Ray 2.58 to 2.60) but for controller_actor: Ray's is the
+    # current actor's handle, which a driver does not have.
+    def _init_train_context_on_workers(
+        self, workers: list, sync_actor: Any, train_context_args: dict[str, list[Any]]
+    ) -> None:
+        ray.get(
+            [
+                worker.actor.init_train_context.remote(
+                    train_run_context=self._train_run_context,
+                    distributed_context=worker.distributed_context,
+                    synchronization_actor=sync_actor,
+                    storage_context=self._storage_context,
+                    worker_callbacks=self._worker_callbacks_to_propagate,
+                    controller_actor=_NoControllerActor(),
+                    **{arg: values[i] for arg, values in train_context_args.items()},
+                )
+                for i, worker in enumerate(workers)
+            ]
+        )
+        self._decorate_worker_log_file_paths(workers)
+
+
+class _DriverController(_ControllerBase):
+    """Ray Train's controller, run by a driver rather than as an actor."""
+
+    worker_group_cls = _WorkerGroupOfADriverController
+
+    async def abort(self) -> None:
+        # Ray's abort ends with exit_actor(), and a driver has no actor to exit: it raises
+        # TypeError once the workers are stopped and the state is Aborted.
+        with contextlib.suppress(TypeError):
+            await super().abort()
+
+
+class _ControllerThread:
+    """The controller's event loop in a thread of its own: the caller's thread stays free
+    for signals (``driver.signals``), and a caller that runs an event loop already (a
+    notebook's kernel) can wait too."""
+
+    def __init__(self, controller_kwargs: dict[str, Any]) -> None:
+        self._kwargs = controller_kwargs
+        self._started = threading.Event()  # the controller is built (or failed to be)
+        # Its own flag: Thread.is_alive() is wrong after an exception interrupted join().
+        self._finished = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._controller: Any = None
+        self.result: Any = None
+        self.error: BaseException | None = None
+        # A daemon: an interrupted driver exits without waiting for it.
+        self._thread = threading.Thread(
+            target=self._run, name="raytrain-train-controller", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # raised again in the caller's thread
+            self.error = exc
+        finally:
+            self._started.set()
+            self._finished.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._controller = _DriverController(**self._kwargs)
+        self._started.set()
+        await self._controller.run()
+        self.result = self._controller.get_result()
+
+    def wait(self) -> None:
+        """Until the run ends; in short waits, so that a signal handler's exception
+        reaches the caller's thread."""
+        while not self._finished.wait(0.5):
+            pass
+
+    def abort(self) -> None:
+        """Ray's abort of the run (the workers stopped), from another thread; a run that
+        ended meanwhile has nothing to abort."""
+        self._started.wait()
+        if self._finished.is_set() or self._loop is None:
+            return
+        with contextlib.suppress(Exception):  # a loop closed meanwhile, Ray's own errors
+            future = asyncio.run_coroutine_threadsafe(self._controller.abort(), self._loop)
+            future.result(timeout=_ABORT_TIMEOUT_S)
+
+
+def run_controller_in_driver(controller_kwargs: dict[str, Any]) -> Any:
+    """Run Ray Train's controller in this process until the run ends; its ``Result``.
+
+    ``controller_kwargs`` are what ``TorchTrainer.fit`` gives the controller actor. An
+    interruption of the waiting thread (a second Ctrl-C) aborts the run as Ray's Ctrl-C
+    handler does, then goes on up.
+    """
+    runner = _ControllerThread(controller_kwargs)
+    try:
+        runner.wait()
+    except BaseException:
+        logger.debug("the driver was interrupted: aborting the run's workers")
+        runner.abort()
+        raise
+    if runner.error is not None:
+        raise runner.error
+    return runner.result
