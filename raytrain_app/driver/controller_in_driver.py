@@ -1,13 +1,14 @@
-"""Ray Train's controller run in the driver process, for a Ray that this process started.
+"""Ray Train's controller run in the driver process instead of as an actor.
 
 Ray Train runs its controller (``TrainController``: it starts the worker group, polls it,
-restarts it after a failure, keeps the checkpoint bookkeeping) as an actor: one more
-process, which starts Python, imports Ray Train and torch, and only then asks for the
-workers. On 2 cores that is 3-4 s on the way to the first step
-(``benchmarks/first_step.py``). The driver has imported both already, and on an embedded
-Ray (``ray.init()`` without an address) the actor gains nothing in return: the Ray ends
-with the driver, and with it every actor the run owns. So there the same controller runs
-on an event loop in a thread of this process, and the caller waits for it.
+restarts it after a failure, keeps the checkpoint bookkeeping) as an actor on the driver's
+node: one more process, which starts Python, imports Ray Train and torch, and only then
+asks for the workers. On 2 cores that is 3-4 s on the way to the first step
+(``benchmarks/first_step.py``). The driver has imported both already, and the actor gains
+the run nothing: it is the driver's, so it ends with the driver (and on a Ray the driver
+started, so does the whole Ray). So the same controller runs on an event loop in a thread
+of the driver, and the caller waits for it. Only a Ray Client driver (``ray://``), which
+runs off the cluster, keeps the actor (``driver.trainer``).
 
 What differs from the actor, and why it does not matter to raytrain:
 
@@ -17,9 +18,11 @@ What differs from the actor, and why it does not matter to raytrain:
 - Ray Train's controller log lines go to this process's ``ray.train`` logger (its files
   under the session's ``logs/train/``, and the console at the run's log level), where the
   actor's reached the console through Ray's log monitor.
-- Ray Train's state tracking (``RAY_TRAIN_ENABLE_STATE_TRACKING``) and placement-group
-  cleaner record the controller actor's id; a run with either stays with the actor
-  (``runs_here``).
+- No placement group can outlive the controller: Ray removes a job's groups when its
+  driver ends. Ray's placement-group cleaner, which records the controller actor's id, is
+  left out (``driver.trainer``); so is nothing else. Ray Train's state tracking
+  (``RAY_TRAIN_ENABLE_STATE_TRACKING``) records that id too: a run with it keeps the
+  actor (``runs_here``).
 
 These are Ray Train V2 internals (``ray_internals``); on a Ray without them the controller
 is Ray's actor, as before.
@@ -56,10 +59,15 @@ class _NoControllerActor:
         )
 
 
+def controller_can_run_here() -> bool:
+    """Whether this Ray has what running its controller in the driver takes."""
+    return internals.TrainController is not None and internals.WorkerGroup is not None
+
+
 def runs_here(controller_kwargs: dict[str, Any]) -> bool:
-    """Whether this Ray has what running the controller here takes, and none of the run's
-    controller callbacks needs the controller's actor id."""
-    if internals.TrainController is None or internals.WorkerGroup is None:
+    """Whether the controller can run in the driver: this Ray allows it, and none of the
+    run's controller callbacks needs the controller's actor id."""
+    if not controller_can_run_here():
         return False
     # Where Ray has no such class, it cannot be among the callbacks either.
     needing_an_actor = tuple(

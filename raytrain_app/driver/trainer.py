@@ -6,11 +6,13 @@ itself or cannot use.
 - Without Ray Datasets (raytrain's workers read through their own DataLoaders), Ray Train
   would still start a DatasetManager actor and send every worker Ray Data's context; with
   a data factory's Ray Datasets (``driver.ray_datasets``) it does both, as it must.
+- Ray Train's controller runs in this process rather than as an actor
+  (``driver.controller_in_driver``), except through Ray Client. With it, no placement
+  group can outlive the driver (Ray removes a job's groups when its driver ends), so the
+  placement-group-cleaner actor is not started.
 - On a Ray this process started (``ray.init()`` without an address: it ends with this
-  process) there is no autoscaler to ask for resources and no placement group can outlive
-  the driver, so the autoscaling-coordinator and placement-group-cleaner actors are not
-  started, and Ray Train's controller runs in this process rather than as an actor
-  (``driver.controller_in_driver``).
+  process) there is no autoscaler to ask for resources, so the autoscaling-coordinator
+  actor is not started either.
 
 Each is one more process that starts and imports Ray before the first step, and two of
 them kept polling during training (benchmarks/README.md has the cost). These are Ray
@@ -34,7 +36,11 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raytrain_app.checkpoint.ranking import checkpoint_retention
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.driver import ray_internals as internals
-from raytrain_app.driver.controller_in_driver import run_controller_in_driver, runs_here
+from raytrain_app.driver.controller_in_driver import (
+    controller_can_run_here,
+    run_controller_in_driver,
+    runs_here,
+)
 from raytrain_app.driver.run_control import DriverControl
 from raytrain_app.driver.signals import stop_on_signals
 from raytrain_app.planning.environment import training_worker_env_vars
@@ -64,6 +70,9 @@ class RaytrainTorchTrainer(TorchTrainer):
     ) -> None:
         self._embedded_ray = embedded_ray
         self._storage_env = storage_env or {}
+        # A Ray Client's driver runs elsewhere than the cluster's processes: there the
+        # controller stays Ray's actor, on the cluster.
+        self._controller_in_driver = controller_can_run_here() and not _through_ray_client()
         super().__init__(*args, **kwargs)
 
     def _register_sigint_handler(self, controller: Any) -> None:
@@ -73,7 +82,7 @@ class RaytrainTorchTrainer(TorchTrainer):
         unused: tuple[type, ...] = ()
         if not self.datasets and internals.DatasetsCallback is not None:
             unused += (internals.DatasetsCallback,)
-        if self._embedded_ray and internals.PlacementGroupCleanerCallback is not None:
+        if self._controller_in_driver and internals.PlacementGroupCleanerCallback is not None:
             unused += (internals.PlacementGroupCleanerCallback,)
         return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]
 
@@ -95,12 +104,18 @@ class RaytrainTorchTrainer(TorchTrainer):
         if added:
             propagated.update(added)
         try:
-            if self._embedded_ray and runs_here(controller_init_kwargs):
+            if self._controller_in_driver and runs_here(controller_init_kwargs):
                 return run_controller_in_driver(controller_init_kwargs)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
         finally:
             if added:
                 propagated.difference_update(added)
+
+
+def _through_ray_client() -> bool:
+    """Whether this process reaches its Ray through Ray Client (a ``ray://`` address)."""
+    client = getattr(getattr(ray, "util", None), "client", None)
+    return bool(client is not None and client.ray.is_connected())
 
 
 def _is(policy: type, ray_policy: type | None) -> bool:

@@ -262,8 +262,10 @@ def test_predict_writes_parquet_from_a_run_directory(runs, tmp_path):
 def test_the_runs_started_only_the_ray_actors_training_needs(runs):
     # On a Ray this process started, without Ray Datasets, Ray Train's dataset manager,
     # autoscaling coordinator and placement-group cleaner would each be one more process
-    # to start before the first step (raytrain_app/driver/trainer.py).
+    # to start before the first step (raytrain_app/driver/trainer.py), and so would Ray
+    # Train's controller, which runs in the driver (driver/controller_in_driver.py).
     runs[1], runs[2]  # both trained (once per module)
     started = runs.started_actors
-    assert {"TrainController", "RayTrainWorker"} <= started
-    assert not started & {"DatasetManager", "PlacementGroupCleaner", "_AutoscalingCoordinatorActor"}
+    assert "RayTrainWorker" in started
+    left_out = {"TrainController", "DatasetManager", "PlacementGroupCleaner"}
+    assert not started & (left_out | {"_AutoscalingCoordinatorActor"})

@@ -82,15 +82,21 @@ def test_rays_trainer_has_the_callbacks_and_policy_raytrain_removes():
         assert callable(getattr(FixedScalingPolicy, hook))
 
 
+@pytest.mark.parametrize("ray_client", [False, True])
 @pytest.mark.parametrize("embedded_ray", [False, True])
-def test_without_datasets_no_dataset_manager_and_on_an_embedded_ray_no_cleaner(embedded_ray):
+def test_without_datasets_no_dataset_manager_and_with_the_controller_in_the_driver_no_cleaner(
+    monkeypatch, embedded_ray, ray_client
+):
+    monkeypatch.setattr(trainer_module, "_through_ray_client", lambda: ray_client)
     kept = _callback_types(_trainer(embedded_ray))
     assert DatasetsCallback not in kept
-    assert (PlacementGroupCleanerCallback in kept) is not embedded_ray
+    # The cleaner removes the workers' placement group should the controller actor die
+    # before the driver; a controller in the driver cannot (Ray Client keeps the actor).
+    assert (PlacementGroupCleanerCallback in kept) is ray_client
     plain = _callback_types(TorchTrainer(_noop, scaling_config=ray.train.ScalingConfig()))
     # Everything else Ray adds (backend and accelerator set-up, user callbacks) stays.
     assert plain - kept == {DatasetsCallback} | (
-        {PlacementGroupCleanerCallback} if embedded_ray else set()
+        set() if ray_client else {PlacementGroupCleanerCallback}
     )
 
 
@@ -163,16 +169,19 @@ def test_the_controller_gets_raytrains_policies_and_the_storage_variables(contro
     assert "AWS_ENDPOINT_URL" not in ray_internals.train_constants.ENV_VARS_TO_PROPAGATE
 
 
-def test_on_an_embedded_ray_the_controller_runs_in_the_driver_unless_it_needs_an_actor_id(
-    controller_start,
+def test_the_controller_runs_in_the_driver_unless_through_ray_client_or_it_needs_an_actor_id(
+    controller_start, monkeypatch
 ):
     fixed = FixedScalingPolicy(ray.train.ScalingConfig(num_workers=2))
+    # On a Ray this process started, and on a cluster it joined as a driver.
     assert _started_with(_trainer(embedded_ray=True), fixed)[0] == "driver"
-    # A cluster's Ray: Ray's controller actor, as Ray Train runs it.
-    assert _started_with(_trainer(embedded_ray=False), fixed)[0] == "actor"
+    assert _started_with(_trainer(embedded_ray=False), fixed)[0] == "driver"
     # Ray Train's state tracking records the controller's actor id: it keeps the actor.
     tracking = ray_internals.StateManagerCallback.__new__(ray_internals.StateManagerCallback)
     assert _started_with(_trainer(embedded_ray=True), fixed, [tracking])[0] == "actor"
+    # A Ray Client driver runs off the cluster: Ray's controller actor, on the cluster.
+    monkeypatch.setattr(trainer_module, "_through_ray_client", lambda: True)
+    assert _started_with(_trainer(embedded_ray=False), fixed)[0] == "actor"
 
 
 def test_on_a_ray_without_the_internals_the_trainer_keeps_rays_defaults(
