@@ -19,10 +19,10 @@ What differs from the actor, and why it does not matter to raytrain:
   under the session's ``logs/train/``, and the console at the run's log level), where the
   actor's reached the console through Ray's log monitor.
 - No placement group can outlive the controller: Ray removes a job's groups when its
-  driver ends. Ray's placement-group cleaner, which records the controller actor's id, is
-  left out (``driver.trainer``); so is nothing else. Ray Train's state tracking
-  (``RAY_TRAIN_ENABLE_STATE_TRACKING``) records that id too: a run with it keeps the
-  actor (``runs_here``).
+  driver ends. So Ray's placement-group cleaner, which removes them when the controller
+  actor dies and records that actor's id, is left out (``driver.trainer``). Ray Train's
+  state tracking (``RAY_TRAIN_ENABLE_STATE_TRACKING``) records the id too: a run with it
+  keeps the actor (``runs_here``).
 
 These are Ray Train V2 internals (``ray_internals``); on a Ray without them the controller
 is Ray's actor, as before.
@@ -53,9 +53,9 @@ class _NoControllerActor:
         if name.startswith("__"):  # pickling and copying look these up
             raise AttributeError(name)
         raise RuntimeError(
-            "the Ray Train controller of this run is in its driver (raytrain runs it there on "
-            "a Ray it started), so ray.train.get_all_reported_checkpoints() is not available "
-            "to the workers; read the run directory's checkpoints instead."
+            "raytrain runs this run's Ray Train controller in its driver, not as an actor, so "
+            "ray.train.get_all_reported_checkpoints() is not available to the workers; read "
+            "the run directory's checkpoints instead."
         )
 
 

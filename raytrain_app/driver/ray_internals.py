@@ -1,15 +1,14 @@
 """The Ray Train V2 internals raytrain uses, each one optional.
 
 raytrain runs on a range of Ray versions (``pyproject.toml``). Where Ray has no public API
-for what raytrain does (start fewer actors, run the controller in the driver of an
-embedded Ray, decide elastic sizes on a fresh view of the nodes, pass the storage's AWS_*
-variables to Ray Train's controller), it reaches into Ray Train's internals, found here by
-name. On a Ray where one is missing or has moved it is None, and raytrain does without it:
-the run costs one more process, an older view of the cluster or a controller that reads
-the storage with the cluster's own settings; it never fails for it.
-tests/unit/driver/test_ray_trainer.py pins each name on the installed Ray (CI runs it on
-the oldest and the newest Ray of the range) and runs the trainer's set-up with every one
-missing.
+for what raytrain does (start fewer actors, run the controller in the driver, decide
+elastic sizes on a fresh view of the nodes, pass the storage's AWS_* variables to Ray
+Train's controller), it reaches into Ray Train's internals, found here by name. On a Ray
+where one is missing or has moved it is None, and raytrain does without it: the run costs
+one more process, an older view of the cluster or a controller that reads the storage with
+the cluster's own settings; it never fails for it. tests/unit/driver/test_ray_trainer.py
+pins each name on the installed Ray (CI runs it on the oldest and the newest Ray of the
+range) and runs the trainer's set-up with every one missing.
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ StateManagerCallback = _optional(f"{_V2}.callbacks.state_manager", "StateManager
 # view of the nodes for elastic runs).
 FixedScalingPolicy = _optional(f"{_V2}.execution.scaling_policy.fixed", "FixedScalingPolicy")
 ElasticScalingPolicy = _optional(f"{_V2}.execution.scaling_policy.elastic", "ElasticScalingPolicy")
-# Ray Train's controller and worker group, run in the driver of an embedded Ray
-# (driver.controller_in_driver).
+# Ray Train's controller and worker group, run in the driver (driver.controller_in_driver).
 TrainController = _optional(f"{_V2}.execution.controller.controller", "TrainController")
 WorkerGroup = _optional(f"{_V2}.execution.worker_group.worker_group", "WorkerGroup")
 # The clock Ray Train's policies read (patched in Ray's own tests); time.monotonic is it.

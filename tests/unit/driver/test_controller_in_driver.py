@@ -1,8 +1,9 @@
-"""Ray Train's controller in the driver of an embedded Ray (``driver.controller_in_driver``):
-how the driver waits for it, what the workers get for its handle, and that the one Ray
-method raytrain re-states is still Ray's. No Ray runs here: the controller is a stand-in.
-Real runs with it: every ``raytrain train`` subprocess of tests/distributed (test_faults,
-test_signals: a killed worker, SIGTERM, preemption) starts an embedded Ray."""
+"""Ray Train's controller in the driver (``driver.controller_in_driver``): how the driver
+waits for it, what the workers get for its handle, and that the one Ray method raytrain
+re-states is still Ray's. No Ray runs here: the controller is a stand-in. Real runs with
+it: every training run of tests/distributed and tests/cluster (test_faults: a worker
+killed mid-save, a hung collective; test_signals: Ctrl-C and SIGKILL; SLURM preemption,
+a lost node, elastic resizes, Ray jobs)."""
 
 from __future__ import annotations
 
