@@ -20,9 +20,10 @@ What differs from the actor, and why it does not matter to raytrain:
   actor's reached the console through Ray's log monitor.
 - No placement group can outlive the controller: Ray removes a job's groups when its
   driver ends. So Ray's placement-group cleaner, which removes them when the controller
-  actor dies and records that actor's id, is left out (``driver.trainer``). Ray Train's
-  state tracking (``RAY_TRAIN_ENABLE_STATE_TRACKING``) records the id too: a run with it
-  keeps the actor (``runs_here``).
+  actor dies and would watch an actor id the driver does not have, is left out
+  (``callbacks_for_the_driver``). Ray Train's state tracking
+  (``RAY_TRAIN_ENABLE_STATE_TRACKING``) records that id too: a run with it keeps the
+  actor, and the cleaner with it (``runs_here``).
 
 These are Ray Train V2 internals (``ray_internals``); on a Ray without them the controller
 is Ray's actor, as before.
@@ -64,19 +65,19 @@ def controller_can_run_here() -> bool:
     return internals.TrainController is not None and internals.WorkerGroup is not None
 
 
-def runs_here(controller_kwargs: dict[str, Any]) -> bool:
-    """Whether the controller can run in the driver: this Ray allows it, and none of the
-    run's controller callbacks needs the controller's actor id."""
-    if not controller_can_run_here():
-        return False
-    # Where Ray has no such class, it cannot be among the callbacks either.
-    needing_an_actor = tuple(
-        cls
-        for cls in (internals.StateManagerCallback, internals.PlacementGroupCleanerCallback)
-        if cls is not None
-    )
-    callbacks = controller_kwargs.get("callbacks") or []
-    return not any(isinstance(callback, needing_an_actor) for callback in callbacks)
+def runs_here(callbacks: list) -> bool:
+    """Whether the controller of a run with these controller ``callbacks`` can run in the
+    driver: this Ray allows it, and no callback needs the controller's actor id."""
+    tracking = internals.StateManagerCallback
+    needs_the_id = tracking is not None and any(isinstance(cb, tracking) for cb in callbacks)
+    return controller_can_run_here() and not needs_the_id
+
+
+def callbacks_for_the_driver(callbacks: list) -> list:
+    """``callbacks`` less those that only serve a controller actor: the placement-group
+    cleaner, which removes the workers' group should that actor die before its driver."""
+    cleaner = internals.PlacementGroupCleanerCallback
+    return [cb for cb in callbacks if cleaner is None or not isinstance(cb, cleaner)]
 
 
 # Ray's classes where this Ray has them; a stand-in base elsewhere keeps the module

@@ -7,12 +7,13 @@ itself or cannot use.
   would still start a DatasetManager actor and send every worker Ray Data's context; with
   a data factory's Ray Datasets (``driver.ray_datasets``) it does both, as it must.
 - Ray Train's controller runs in this process rather than as an actor
-  (``driver.controller_in_driver``), except through Ray Client. With it, no placement
-  group can outlive the driver (Ray removes a job's groups when its driver ends), so the
-  placement-group-cleaner actor is not started.
+  (``driver.controller_in_driver``), except through Ray Client or with Ray Train's state
+  tracking. With it, no placement group can outlive the driver (Ray removes a job's groups
+  when its driver ends), so the placement-group-cleaner actor is not started.
 - On a Ray this process started (``ray.init()`` without an address: it ends with this
-  process) there is no autoscaler to ask for resources, so the autoscaling-coordinator
-  actor is not started either.
+  process) there is no autoscaler to ask for resources and no placement group can outlive
+  the driver, so the autoscaling-coordinator and placement-group-cleaner actors are not
+  started either, wherever the controller runs.
 
 Each is one more process that starts and imports Ray before the first step, and two of
 them kept polling during training (benchmarks/README.md has the cost). These are Ray
@@ -37,6 +38,7 @@ from raytrain_app.checkpoint.ranking import checkpoint_retention
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.driver import ray_internals as internals
 from raytrain_app.driver.controller_in_driver import (
+    callbacks_for_the_driver,
     controller_can_run_here,
     run_controller_in_driver,
     runs_here,
@@ -82,7 +84,7 @@ class RaytrainTorchTrainer(TorchTrainer):
         unused: tuple[type, ...] = ()
         if not self.datasets and internals.DatasetsCallback is not None:
             unused += (internals.DatasetsCallback,)
-        if self._controller_in_driver and internals.PlacementGroupCleanerCallback is not None:
+        if self._embedded_ray and internals.PlacementGroupCleanerCallback is not None:
             unused += (internals.PlacementGroupCleanerCallback,)
         return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]
 
@@ -104,7 +106,9 @@ class RaytrainTorchTrainer(TorchTrainer):
         if added:
             propagated.update(added)
         try:
-            if self._controller_in_driver and runs_here(controller_init_kwargs):
+            callbacks = controller_init_kwargs.get("callbacks") or []
+            if self._controller_in_driver and runs_here(callbacks):
+                controller_init_kwargs["callbacks"] = callbacks_for_the_driver(callbacks)
                 return run_controller_in_driver(controller_init_kwargs)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
         finally:
@@ -114,8 +118,7 @@ class RaytrainTorchTrainer(TorchTrainer):
 
 def _through_ray_client() -> bool:
     """Whether this process reaches its Ray through Ray Client (a ``ray://`` address)."""
-    client = getattr(getattr(ray, "util", None), "client", None)
-    return bool(client is not None and client.ray.is_connected())
+    return ray.util.client.ray.is_connected()  # as planning.cluster_resources asks
 
 
 def _is(policy: type, ray_policy: type | None) -> bool:

@@ -82,21 +82,15 @@ def test_rays_trainer_has_the_callbacks_and_policy_raytrain_removes():
         assert callable(getattr(FixedScalingPolicy, hook))
 
 
-@pytest.mark.parametrize("ray_client", [False, True])
 @pytest.mark.parametrize("embedded_ray", [False, True])
-def test_without_datasets_no_dataset_manager_and_with_the_controller_in_the_driver_no_cleaner(
-    monkeypatch, embedded_ray, ray_client
-):
-    monkeypatch.setattr(trainer_module, "_through_ray_client", lambda: ray_client)
+def test_without_datasets_no_dataset_manager_and_on_an_embedded_ray_no_cleaner(embedded_ray):
     kept = _callback_types(_trainer(embedded_ray))
     assert DatasetsCallback not in kept
-    # The cleaner removes the workers' placement group should the controller actor die
-    # before the driver; a controller in the driver cannot (Ray Client keeps the actor).
-    assert (PlacementGroupCleanerCallback in kept) is ray_client
+    assert (PlacementGroupCleanerCallback in kept) is not embedded_ray
     plain = _callback_types(TorchTrainer(_noop, scaling_config=ray.train.ScalingConfig()))
     # Everything else Ray adds (backend and accelerator set-up, user callbacks) stays.
     assert plain - kept == {DatasetsCallback} | (
-        set() if ray_client else {PlacementGroupCleanerCallback}
+        {PlacementGroupCleanerCallback} if embedded_ray else set()
     )
 
 
@@ -169,19 +163,37 @@ def test_the_controller_gets_raytrains_policies_and_the_storage_variables(contro
     assert "AWS_ENDPOINT_URL" not in ray_internals.train_constants.ENV_VARS_TO_PROPAGATE
 
 
+def _started_where(trainer: RaytrainTorchTrainer, callbacks: list) -> tuple[str, set[type]]:
+    """Where the controller of a run with ``callbacks`` starts, and the callback types it
+    gets there."""
+    fixed = FixedScalingPolicy(ray.train.ScalingConfig(num_workers=2))
+    with pytest.raises(_Captured) as captured:
+        trainer._initialize_and_run_controller(scaling_policy=fixed, callbacks=callbacks)
+    where, kwargs, _ = captured.value.args
+    return where, {type(cb) for cb in kwargs["callbacks"]}
+
+
 def test_the_controller_runs_in_the_driver_unless_through_ray_client_or_it_needs_an_actor_id(
     controller_start, monkeypatch
 ):
-    fixed = FixedScalingPolicy(ray.train.ScalingConfig(num_workers=2))
-    # On a Ray this process started, and on a cluster it joined as a driver.
-    assert _started_with(_trainer(embedded_ray=True), fixed)[0] == "driver"
-    assert _started_with(_trainer(embedded_ray=False), fixed)[0] == "driver"
-    # Ray Train's state tracking records the controller's actor id: it keeps the actor.
-    tracking = ray_internals.StateManagerCallback.__new__(ray_internals.StateManagerCallback)
-    assert _started_with(_trainer(embedded_ray=True), fixed, [tracking])[0] == "actor"
+    def bare(cls):  # an instance, its constructor not run (it starts nothing then either)
+        return cls.__new__(cls)
+
+    cleaner, tracking = (
+        bare(ray_internals.PlacementGroupCleanerCallback),
+        bare(ray_internals.StateManagerCallback),
+    )
+    # On a cluster it joined as a driver (Ray's callbacks keep the cleaner there): in the
+    # driver, without the cleaner, which watches a controller actor there is none of.
+    assert _started_where(_trainer(embedded_ray=False), [cleaner]) == ("driver", set())
+    assert _started_where(_trainer(embedded_ray=True), [])[0] == "driver"
+    # Ray Train's state tracking records the controller's actor id: it keeps the actor,
+    # and the actor its cleaner.
+    where, kept = _started_where(_trainer(embedded_ray=False), [cleaner, tracking])
+    assert where == "actor" and type(cleaner) in kept
     # A Ray Client driver runs off the cluster: Ray's controller actor, on the cluster.
     monkeypatch.setattr(trainer_module, "_through_ray_client", lambda: True)
-    assert _started_with(_trainer(embedded_ray=False), fixed)[0] == "actor"
+    assert _started_where(_trainer(embedded_ray=False), [cleaner]) == ("actor", {type(cleaner)})
 
 
 def test_on_a_ray_without_the_internals_the_trainer_keeps_rays_defaults(
