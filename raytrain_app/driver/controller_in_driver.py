@@ -141,6 +141,11 @@ class _ControllerThread:
         self._thread = threading.Thread(
             target=self._run, name="raytrain-train-controller", daemon=True
         )
+        self._launched = False
+
+    def start(self) -> None:
+        # Set first: an interruption inside Thread.start() may come once the thread exists.
+        self._launched = True
         self._thread.start()
 
     def _run(self) -> None:
@@ -167,8 +172,11 @@ class _ControllerThread:
 
     def abort(self) -> None:
         """Ray's abort of the run (the workers stopped), from another thread; a run that
-        ended meanwhile has nothing to abort."""
-        self._started.wait()
+        ended meanwhile, or whose thread never started, has nothing to abort."""
+        if not self._launched:
+            return
+        # Bounded: an interruption just before the thread was created leaves none to wait for.
+        self._started.wait(_ABORT_TIMEOUT_S)
         if self._finished.is_set() or self._loop is None:
             return
         with contextlib.suppress(Exception):  # a loop closed meanwhile, Ray's own errors
@@ -185,6 +193,7 @@ def run_controller_in_driver(controller_kwargs: dict[str, Any]) -> Any:
     """
     runner = _ControllerThread(controller_kwargs)
     try:
+        runner.start()
         runner.wait()
     except BaseException:
         logger.debug("the driver was interrupted: aborting the run's workers")

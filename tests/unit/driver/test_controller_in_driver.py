@@ -14,6 +14,8 @@ import pickle
 import re
 import signal
 import threading
+import time
+from contextlib import contextmanager
 from typing import ClassVar
 
 import pytest
@@ -27,8 +29,13 @@ class _StandInController:
     """Runs until told to finish or aborted; records what it was given and asked."""
 
     instances: ClassVar[list[_StandInController]] = []
+    building = threading.Event()  # a controller's constructor was entered
+    running = threading.Event()  # a controller's run() is waiting to finish
 
     def __init__(self, **kwargs) -> None:
+        _StandInController.building.set()
+        if kwargs.get("built_when"):
+            kwargs["built_when"].wait(60)
         self.kwargs = kwargs
         self.loop_thread = threading.current_thread()
         self.finish = asyncio.Event()
@@ -40,6 +47,7 @@ class _StandInController:
             raise ValueError(self.kwargs["fail"])
         if self.kwargs.get("finish_at_once"):
             return
+        _StandInController.running.set()
         await self.finish.wait()
 
     async def abort(self) -> None:
@@ -53,6 +61,8 @@ class _StandInController:
 @pytest.fixture
 def stand_in(monkeypatch):
     _StandInController.instances.clear()
+    _StandInController.building.clear()
+    _StandInController.running.clear()
     monkeypatch.setattr(controller_in_driver, "_DriverController", _StandInController)
     return _StandInController.instances
 
@@ -69,24 +79,54 @@ def test_a_controller_error_is_raised_in_the_driver(stand_in):
         run_controller_in_driver({"name": "b", "fail": "broke"})
 
 
-def test_an_interrupted_driver_aborts_the_run_then_goes_on_up(stand_in):
-    """A second Ctrl-C (driver.signals raises KeyboardInterrupt) stops the workers through
-    Ray's abort, as Ray's own handler would, before the driver ends."""
+@contextmanager
+def _interrupted_when(event: threading.Event, then=None):
+    """A second Ctrl-C (driver.signals raises KeyboardInterrupt in the waiting thread), sent
+    once ``event`` is set, then ``then()``: on events, not on a timer, so that a starved
+    machine cannot send it before the moment a test is about."""
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    def send() -> None:
+        if event.wait(60):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            if then is not None:
+                time.sleep(0.2)  # the driver takes the interruption before the controller is up
+                then()
+
     previous = signal.signal(signal.SIGUSR1, interrupt)
-    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+    sender = threading.Thread(target=send, daemon=True)
     try:
-        timer.start()
+        sender.start()
         with pytest.raises(KeyboardInterrupt):
-            run_controller_in_driver({"name": "c"})
+            yield
     finally:
-        timer.cancel()
+        sender.join(60)
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_an_interrupted_driver_aborts_the_run_then_goes_on_up(stand_in):
+    """Stops the workers through Ray's abort, as Ray's own handler would, before the driver
+    ends."""
+    with _interrupted_when(_StandInController.running):
+        run_controller_in_driver({"name": "c"})
     (controller,) = stand_in
     assert controller.aborted
+
+
+def test_a_driver_interrupted_while_the_controller_is_built_aborts_it_once_built(stand_in):
+    built_when = threading.Event()
+    with _interrupted_when(_StandInController.building, then=built_when.set):
+        run_controller_in_driver({"name": "e", "built_when": built_when})
+    (controller,) = stand_in
+    assert controller.aborted
+
+
+def test_a_driver_interrupted_before_the_controller_thread_started_has_nothing_to_abort(stand_in):
+    runner = controller_in_driver._ControllerThread({"name": "f"})
+    runner.abort()  # returns at once: no thread, so no controller, was started
+    assert stand_in == []
 
 
 def test_a_driver_already_running_an_event_loop_can_wait_for_it(stand_in):
