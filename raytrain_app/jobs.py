@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import re
 import shlex
 import sys
@@ -26,7 +25,11 @@ from typing import Any
 
 from raytrain_app.driver.reachability import check_reachable
 from raytrain_app.errors import BadInputError, first_line
-from raytrain_app.planning.environment import enable_client_token_auth, job_server_address
+from raytrain_app.planning.environment import (
+    enable_client_token_auth,
+    job_server_address,
+    variables_set,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -181,12 +184,13 @@ def _named_variables(names: Sequence[str]) -> dict[str, str]:
                 f"--env-var {name!r} is not a variable name; pass the name of a variable set "
                 f"in this shell (letters, digits and '_')"
             )
-        if name not in os.environ:
+        value = variables_set([name])
+        if not value:
             raise BadInputError(
                 f"--env-var {name} is not set in this shell; export {name} first, or drop "
                 f"--env-var {name}"
             )
-        named[name] = os.environ[name]
+        named.update(value)
     return named
 
 

@@ -34,10 +34,12 @@ from raytrain_app.planning.environment import (
     LOCAL_DASHBOARD_HOST,
     Environment,
     apply_ray_train_defaults,
+    cluster_address,
     dashboard_host,
     detect_environment,
     detect_slurm,
     local_cpus,
+    token_auth_without_a_token,
     unset_ray_train_defaults,
 )
 from raytrain_app.planning.rules import TrainingPlan, make_plan
@@ -118,9 +120,7 @@ def _default_token_path() -> Path:
 def _token_to_generate() -> bool:
     """Whether ``ray.init()`` would generate a token: token auth on (Ray's default for a
     local cluster) and no token given."""
-    mode = os.environ.get("RAY_AUTH_MODE", "token").lower()
-    given = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-    return mode == "token" and not given and not _default_token_path().exists()
+    return token_auth_without_a_token(os.environ) and not _default_token_path().exists()
 
 
 def _create_private_token() -> None:
@@ -300,7 +300,7 @@ def ray_would_start_here(address: str | None, local: bool) -> bool:
     """Whether a run of ``address`` / ``local`` would start an embedded Ray in this process:
     no cluster named (``RAY_ADDRESS`` is ``Environment.ray_address``), not local mode, and
     no Ray up in this process yet."""
-    elsewhere = local or address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()
+    elsewhere = local or address or cluster_address(os.environ) or ray.is_initialized()
     return not elsewhere
 
 

@@ -245,6 +245,19 @@ def dashboard_host(env: Mapping[str, str]) -> str | None:
     return env.get("RAYTRAIN_DASHBOARD_HOST") or None
 
 
+def cluster_address(env: Mapping[str, str]) -> str | None:
+    """The Ray cluster that Ray's own ``RAY_ADDRESS`` names, if any: a run joins it."""
+    return env.get("RAY_ADDRESS") or None
+
+
+def token_auth_without_a_token(env: Mapping[str, str]) -> bool:
+    """Whether Ray's token auth is on (its default for a local cluster, ``RAY_AUTH_MODE``)
+    and no variable gives a token (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``): then
+    ``ray.init()`` uses ``~/.ray/auth_token``, or generates one."""
+    mode = env.get("RAY_AUTH_MODE", "token").lower()
+    return mode == "token" and not (env.get("RAY_AUTH_TOKEN") or env.get("RAY_AUTH_TOKEN_PATH"))
+
+
 def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
     """Describe this process's environment; ``env`` defaults to ``os.environ``."""
     env = os.environ if env is None else env
@@ -267,7 +280,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
         python=sys.version.split()[0],
         torch_version=torch.__version__,
         launcher=launcher,
-        ray_address=env.get("RAY_ADDRESS") or None,
+        ray_address=cluster_address(env),
         resources=resources,
         gpu=gpu,
         slurm=slurm,

@@ -12,8 +12,10 @@ import pytest
 from raytrain_app.planning.environment import (
     Resources,
     apply_ray_train_defaults,
+    cluster_address,
     detect_environment,
     parse_slurm_counts,
+    token_auth_without_a_token,
     training_worker_env_vars,
     unset_ray_train_defaults,
 )
@@ -182,3 +184,23 @@ def test_the_dashboard_ui_is_only_where_the_user_asks_for_it_on_the_interface_na
     assert detect_environment({"RAYTRAIN_DASHBOARD_HOST": ""}).dashboard_host is None
     for host in ("127.0.0.1", "0.0.0.0"):
         assert detect_environment({"RAYTRAIN_DASHBOARD_HOST": host}).dashboard_host == host
+
+
+@pytest.mark.parametrize(
+    ("variables", "wanted"),
+    [
+        ({}, True),  # Ray's default for a local cluster: token auth, token generated
+        ({"RAY_AUTH_MODE": "TOKEN"}, True),
+        ({"RAY_AUTH_MODE": "disabled"}, False),
+        ({"RAY_AUTH_TOKEN": "a" * 64}, False),
+        ({"RAY_AUTH_TOKEN_PATH": "/run/secrets/ray-token"}, False),
+    ],
+)
+def test_token_auth_wants_a_token_file_only_where_no_variable_gives_one(variables, wanted):
+    assert token_auth_without_a_token(variables) is wanted
+
+
+def test_the_cluster_address_is_rays_own_variable_and_an_empty_one_names_none():
+    assert cluster_address({"RAY_ADDRESS": "10.0.0.1:6379"}) == "10.0.0.1:6379"
+    assert cluster_address({"RAY_ADDRESS": ""}) is None
+    assert cluster_address({}) is None
