@@ -14,6 +14,8 @@ import importlib
 import time
 from typing import TYPE_CHECKING
 
+# First: its import stamps a command's start (run_clock), before the imports that follow.
+from raytrain_app import run_clock  # noqa: F401
 from raytrain_app.config import ConfigError, RaytrainConfig, config_from_dict, load_config
 from raytrain_app.errors import BadInputError, RunFailedError
 

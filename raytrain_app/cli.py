@@ -205,7 +205,7 @@ _COMMANDS = {
 
 
 def command() -> int:
-    """The ``raytrain`` command: a run's start-up counts from this process's start."""
+    """The ``raytrain`` command: a run's start-up counts from raytrain's first import."""
     run_clock.mark_command_start()
     return main()
 

@@ -5,8 +5,8 @@ attempt: the first, and one more after every restart) accounts for its own time 
 first step (``worker.goodput``) and sends the account to the driver's run control as it
 goes (``driver.run_control``), the last one in its result. The parts:
 
-- ``startup_s``: from the run's start (``run_clock``: the ``raytrain`` command's process
-  start, or ``train()``'s call from Python) to the first attempt's first step;
+- ``startup_s``: from the run's start (``run_clock``: the ``raytrain`` command's first
+  import, or ``train()``'s call from Python) to the first attempt's first step;
 - ``data_wait_s``, ``compute_s``, ``checkpoint_s``, ``validation_s``: rank 0's, summed over
   the attempts (ranks move in step through each step's all-reduce, so rank 0's steps are
   the run's: a rank late with its data holds rank 0 in the all-reduce, which it counts as

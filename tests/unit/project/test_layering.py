@@ -38,7 +38,7 @@ TOP_LEVEL_ROOMS = {
     "workloads": "workloads",
     "factory_targets": "workloads",  # the factories' names, found without importing them
     "__init__": "api",
-    "run_clock": "api",  # when a run began: the command's process start
+    "run_clock": "api",  # when a run began: the command's first import
     "cli": "api",
     "cli_flags": "api",
     "jobs": "api",
