@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 # First: its import stamps a command's start (run_clock), before the imports that follow.
-from raytrain_app import run_clock  # noqa: F401
+from raytrain_app import run_clock
 from raytrain_app.config import ConfigError, RaytrainConfig, config_from_dict, load_config
 from raytrain_app.errors import BadInputError, RunFailedError
 
@@ -69,7 +69,6 @@ def train(config=None, *, overrides=(), address=None, progress=True, local=False
     """
     called_at = time.time()  # goodput's start-up counts from here (or the command's start)
     from raytrain_app.driver.run_start import run_begun
-    from raytrain_app.run_clock import run_began_at
 
     cfg = _as_config(config, overrides)
     # A Ray started for this run starts beside the driver's imports and checks.
@@ -81,7 +80,7 @@ def train(config=None, *, overrides=(), address=None, progress=True, local=False
             address=address,
             progress=progress,
             local=local,
-            began_at=run_began_at(called_at),
+            began_at=run_clock.run_began_at(called_at),
         )
 
 

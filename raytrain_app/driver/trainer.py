@@ -45,6 +45,7 @@ from raytrain_app.driver.controller_in_driver import (
 )
 from raytrain_app.driver.run_control import DriverControl
 from raytrain_app.driver.signals import stop_on_signals
+from raytrain_app.planning.cluster_resources import through_ray_client
 from raytrain_app.planning.environment import training_worker_env_vars
 from raytrain_app.planning.store_variables import storage_env_vars
 from raytrain_app.storage import StorageLocation
@@ -74,7 +75,7 @@ class RaytrainTorchTrainer(TorchTrainer):
         self._storage_env = storage_env or {}
         # A Ray Client's driver runs elsewhere than the cluster's processes: there the
         # controller stays Ray's actor, on the cluster.
-        self._controller_in_driver = controller_can_run_here() and not _through_ray_client()
+        self._controller_in_driver = controller_can_run_here() and not through_ray_client()
         super().__init__(*args, **kwargs)
 
     def _register_sigint_handler(self, controller: Any) -> None:
@@ -114,11 +115,6 @@ class RaytrainTorchTrainer(TorchTrainer):
         finally:
             if added:
                 propagated.difference_update(added)
-
-
-def _through_ray_client() -> bool:
-    """Whether this process reaches its Ray through Ray Client (a ``ray://`` address)."""
-    return ray.util.client.ray.is_connected()  # as planning.cluster_resources asks
 
 
 def _is(policy: type, ray_policy: type | None) -> bool:

@@ -46,12 +46,19 @@ def ray_cluster_resources() -> tuple[Resources, GpuInfo | None]:
     return resources, workers_gpu(gpu_nodes, _gpu_on_a_node)
 
 
-def _only_this_node(nodes: list[dict]) -> bool:
-    """Whether ``nodes`` is just the node this driver runs on (not through Ray Client,
-    whose driver is the head node, not this machine)."""
+def through_ray_client() -> bool:
+    """Whether this process reaches its Ray through Ray Client (a ``ray://`` address): its
+    driver then runs on the head node, not on this machine."""
     import ray
 
-    if ray.util.client.ray.is_connected():
+    return ray.util.client.ray.is_connected()
+
+
+def _only_this_node(nodes: list[dict]) -> bool:
+    """Whether ``nodes`` is just the node this driver runs on (not through Ray Client)."""
+    import ray
+
+    if through_ray_client():
         return False
     here = ray.get_runtime_context().get_node_id()
     return [node["NodeID"] for node in nodes] == [here]

@@ -192,7 +192,7 @@ def test_the_controller_runs_in_the_driver_unless_through_ray_client_or_it_needs
     where, kept = _started_where(_trainer(embedded_ray=False), [cleaner, tracking])
     assert where == "actor" and type(cleaner) in kept
     # A Ray Client driver runs off the cluster: Ray's controller actor, on the cluster.
-    monkeypatch.setattr(trainer_module, "_through_ray_client", lambda: True)
+    monkeypatch.setattr(trainer_module, "through_ray_client", lambda: True)
     assert _started_where(_trainer(embedded_ray=False), [cleaner]) == ("actor", {type(cleaner)})
 
 
