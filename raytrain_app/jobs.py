@@ -170,7 +170,7 @@ def _job_command(command: list[str], working_dir: Path) -> tuple[list[str], argp
 
 def _named_variables(names: Sequence[str]) -> dict[str, str]:
     """The variables of this shell that ``--env-var`` names."""
-    named = {}
+    named = variables_set(names)
     for name in names:
         if "=" in name:
             # The value is not echoed: it may well be a secret.
@@ -184,13 +184,11 @@ def _named_variables(names: Sequence[str]) -> dict[str, str]:
                 f"--env-var {name!r} is not a variable name; pass the name of a variable set "
                 f"in this shell (letters, digits and '_')"
             )
-        value = variables_set([name])
-        if not value:
+        if name not in named:
             raise BadInputError(
                 f"--env-var {name} is not set in this shell; export {name} first, or drop "
                 f"--env-var {name}"
             )
-        named.update(value)
     return named
 
 
