@@ -18,7 +18,7 @@ import signal
 import stat
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -177,6 +177,46 @@ class _EmbeddedRay:
         return cls(local_cpus(detect_slurm(os.environ)), dashboard_host(os.environ))
 
 
+# The environment of the Ray raytrain started here (its processes inherit this process's
+# environment as it was when it started), while it runs: ``inherited_by_ray_workers``.
+_embedded_env: dict[str, str] | None = None
+
+
+def _prepare_embedded_start() -> list[str]:
+    """Before an embedded Ray starts, in the main thread (another thread may read the
+    environment meanwhile): set Ray Train's defaults where its processes inherit them,
+    and note the environment they inherit.
+
+    Returns:
+        The defaults set (the user's own values stay): ``_forget_embedded_start`` takes
+        them back.
+    """
+    global _embedded_env
+    added = apply_ray_train_defaults(embedded=True)
+    _embedded_env = dict(os.environ)
+    return added
+
+
+def _forget_embedded_start(added: list[str]) -> None:
+    """Once the embedded Ray has stopped (or failed to start): its defaults are unset, so
+    that a later session in this process (on a cluster, say) starts from the user's own
+    environment."""
+    global _embedded_env
+    _embedded_env = None
+    unset_ray_train_defaults(added)
+
+
+def inherited_by_ray_workers(variables: Mapping[str, str]) -> set[str]:
+    """The names among ``variables`` whose values every worker process of the connected
+    Ray has already: those the Ray that raytrain started here inherited. None elsewhere:
+    a cluster's workers, or those of a Ray the user started, get what they need from a
+    runtime env."""
+    inherited = _embedded_env
+    if inherited is None or not ray_started_here():
+        return set()
+    return {name for name, value in variables.items() if inherited.get(name) == value}
+
+
 def _start_embedded_ray(start: _EmbeddedRay) -> None:
     """``ray.init()`` of a single-machine cluster on loopback, its token file private."""
     if _token_to_generate():
@@ -203,6 +243,7 @@ class _StartBeside:
 
     def __init__(self, start: _EmbeddedRay) -> None:
         self.error: BaseException | None = None
+        self._added = _prepare_embedded_start()
         self._ready = threading.Event()
         self._released = threading.Event()
         self._thread = threading.Thread(
@@ -229,6 +270,7 @@ class _StartBeside:
         """Let the thread end: only once the Ray it started is shut down."""
         self._released.set()
         self._thread.join()
+        _forget_embedded_start(self._added)
 
     def stop(self) -> None:
         """Wait for the start, then shut down what it started (a failed start: nothing)."""
@@ -349,7 +391,8 @@ def ray_session(address: str | None, env: Environment) -> Iterator[Environment]:
         finally:
             if started:
                 ray.shutdown()
-            unset_ray_train_defaults(added_defaults)
+            if embedded and beside is None:  # a Ray started beside forgets its own start
+                _forget_embedded_start(added_defaults)
     finally:
         if beside is not None:
             beside.release()
@@ -359,7 +402,8 @@ def _connect(
     address: str | None, env: Environment, beside: _StartBeside | None
 ) -> tuple[bool, bool, list[str]]:
     """Ray connected or started for ``ray_session``: whether it started one (and ends it),
-    whether that is an embedded Ray, and the Ray Train defaults it set."""
+    whether that is an embedded Ray, and the Ray Train defaults it set for it (those of a
+    Ray started ``beside`` are its own)."""
     if beside is None and ray.is_initialized():
         return False, False, []
     target = address or env.ray_address
@@ -369,11 +413,19 @@ def _connect(
         if target:
             ray.init(address=target, logging_level=logging.WARNING)
             return True, False, []
-        beside.wait() if beside else _start_embedded_ray(_EmbeddedRay.of(env))
+        if beside:
+            beside.wait()
+            return True, True, []
+        added = _prepare_embedded_start()
+        try:
+            _start_embedded_ray(_EmbeddedRay.of(env))
+        except BaseException:
+            _forget_embedded_start(added)
+            raise
+        return True, True, added
     except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
         where = f"the Ray cluster at {target}" if target else "a local Ray"
         raise RunFailedError(f"could not start or reach {where}: {first_line(exc)}") from exc
-    return True, True, apply_ray_train_defaults(embedded=True)
 
 
 def ray_started_here() -> bool:

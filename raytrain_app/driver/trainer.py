@@ -43,10 +43,11 @@ from raytrain_app.driver.controller_in_driver import (
     run_controller_in_driver,
     runs_here,
 )
+from raytrain_app.driver.ray_connection import inherited_by_ray_workers
 from raytrain_app.driver.run_control import DriverControl
 from raytrain_app.driver.signals import stop_on_signals
 from raytrain_app.planning.cluster_resources import through_ray_client
-from raytrain_app.planning.environment import training_worker_env_vars
+from raytrain_app.planning.environment import training_worker_env_vars, variables_set
 from raytrain_app.planning.store_variables import storage_env_vars
 from raytrain_app.storage import StorageLocation
 from raytrain_app.worker.loop import WorkerTask, train_worker
@@ -101,11 +102,15 @@ class RaytrainTorchTrainer(TorchTrainer):
             )
         # The controller reads and writes the run's storage too (Ray's validation file, its
         # checkpoint bookkeeping): it gets the stores' variables the way Ray Train passes
-        # its own settings to it (the workers get them in worker_runtime_env).
+        # its own settings to it (the workers get them in worker_runtime_env). Those that
+        # the processes of raytrain's embedded Ray inherited are not passed on: a runtime
+        # env starts each worker through a second Python process that imports Ray too.
         propagated = getattr(internals.train_constants, "ENV_VARS_TO_PROPAGATE", None)
-        added = set(self._storage_env) - propagated if isinstance(propagated, set) else set()
-        if added:
-            propagated.update(added)
+        saved = set(propagated) if isinstance(propagated, set) else None
+        if saved is not None:
+            names = saved | set(self._storage_env)
+            propagated.update(names)
+            propagated.difference_update(inherited_by_ray_workers(variables_set(names)))
         try:
             callbacks = controller_init_kwargs.get("callbacks") or []
             if self._controller_in_driver and runs_here(callbacks):
@@ -113,8 +118,9 @@ class RaytrainTorchTrainer(TorchTrainer):
                 return run_controller_in_driver(controller_init_kwargs)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
         finally:
-            if added:
-                propagated.difference_update(added)
+            if saved is not None:
+                propagated.clear()
+                propagated.update(saved)
 
 
 def _is(policy: type, ray_policy: type | None) -> bool:
@@ -196,7 +202,7 @@ def run_trainer(
         # Ray Train's per-report INFO lines would drown raytrain's own epoch lines.
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         # Workers on other nodes reach the run's stores with the driver's variables for them.
-        worker_runtime_env={"env_vars": {**training_worker_env_vars(), **storage_env}},
+        worker_runtime_env=_worker_runtime_env({**training_worker_env_vars(), **storage_env}),
     )
     scaling = ray.train.ScalingConfig(
         # (min, max): Ray Train's elastic mode; the workers re-split the batch for the size
@@ -226,6 +232,16 @@ def run_trainer(
     # The earlier attempts' goodput accounts, beside the last one's (driver.goodput).
     returned = {**(result.return_value or {}), "goodput_attempts": control.accounts}
     return dataclasses.replace(result, return_value=returned), received[0] if received else None
+
+
+def _worker_runtime_env(variables: dict[str, str]) -> dict[str, Any]:
+    """The training workers' runtime env: ``variables`` less those they inherit already
+    (raytrain's embedded Ray). Empty, it starts no runtime-env set-up process per worker
+    (a second Python process that imports Ray: 0.4-0.6 s of CPU each, on the way to the
+    first step; benchmarks/README.md, "First step")."""
+    inherited = inherited_by_ray_workers(variables)
+    needed = {name: value for name, value in variables.items() if name not in inherited}
+    return {"env_vars": needed} if needed else {}
 
 
 def _train_loop_entry(config: dict[str, Any]) -> dict[str, Any]:

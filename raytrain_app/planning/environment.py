@@ -24,6 +24,10 @@ if TYPE_CHECKING:  # imported where used: a job client reads its addresses witho
 
 logger = logging.getLogger(__name__)
 
+# Ray's setting for its worker processes' nice value, as an environment variable (Ray's
+# own lower-case name: ray._private.ray_constants.RAY_WORKER_NICENESS).
+_RAY_WORKER_NICENESS = "RAY_worker_niceness"
+
 # Ray Train V2 collects reports on a health-check poll (2 s by default), so each report
 # can wait that long; a 0.2 s poll keeps reports prompt (its cost: benchmarks/README.md).
 _RAY_TRAIN_ENV_DEFAULTS = {
@@ -39,6 +43,13 @@ _EMBEDDED_RAY_TRAIN_ENV_DEFAULTS = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     # Prometheus metrics for the dashboard's Train view, gone with the embedded Ray.
     "RAY_TRAIN_METRICS_ENABLED": "0",
+    # Every worker process of a Ray that raytrain starts for one run on this machine at
+    # nice 0 (Ray's default is 15), as torchrun's processes and their loader processes
+    # run: then the training workers inherit all they need from the Ray's environment
+    # (training_worker_env_vars) and need no runtime env of their own, which would start
+    # each through a second Python process that imports Ray too (benchmarks/README.md,
+    # "First step").
+    _RAY_WORKER_NICENESS: "0",
 }
 
 # An embedded Ray's dashboard server (Ray starts its job API even without the UI) accepts
@@ -119,11 +130,6 @@ class Environment:
         (None: none, or not known). The driver's own GPU never stands in for the workers':
         a laptop's T4 would plan fp16 without compile for a cluster of H100s."""
         return replace(self, resources=resources, gpu=gpu)
-
-
-# Ray's setting for its worker processes' nice value, as an environment variable (Ray's
-# own lower-case name: ray._private.ray_constants.RAY_WORKER_NICENESS).
-_RAY_WORKER_NICENESS = "RAY_worker_niceness"
 
 
 def _int_or_none(value: str | None) -> int | None:

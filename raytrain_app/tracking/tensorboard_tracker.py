@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from raytrain_app.tracking.base import Tracker, epoch_scalars
 
@@ -13,19 +14,31 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 class TensorBoardTracker(Tracker):
-    """Event files under ``<run dir>/tensorboard`` through tensorboardX (comes with Ray)."""
+    """Event files under ``<run dir>/tensorboard`` through tensorboardX (comes with Ray).
+
+    The writer opens at the first scalar, as Lightning's TensorBoard logger does: importing
+    tensorboardX took 0.3 s of rank 0's way to the first step, where every other rank waits
+    for it (benchmarks/README.md, "First step").
+    """
 
     def __init__(self, logdir: Path, resumed_step: int) -> None:
-        from tensorboardX import SummaryWriter
+        self.logdir, self.resumed_step = logdir, resumed_step
+        self._writer: Any = None
 
-        # TensorBoard drops events at or after purge_step from the earlier event files.
-        purge = resumed_step + 1 if resumed_step else None
-        self.writer = SummaryWriter(
-            logdir=str(logdir),
-            purge_step=purge,
-            flush_secs=30,
-            filename_suffix=f".step{resumed_step}",  # one file per run segment
-        )
+    @property
+    def writer(self) -> Any:
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            step = self.resumed_step
+            self._writer = SummaryWriter(
+                logdir=str(self.logdir),
+                # TensorBoard drops events at or after purge_step from the earlier files.
+                purge_step=step + 1 if step else None,
+                flush_secs=30,
+                filename_suffix=f".step{step}",  # one file per run segment
+            )
+        return self._writer
 
     def log_step(self, step: int, scalars: Mapping[str, float]) -> None:
         for key, value in scalars.items():
@@ -37,7 +50,8 @@ class TensorBoardTracker(Tracker):
         self.writer.flush()  # an epoch is never lost to a crash between flushes
 
     def close(self, failed: bool = False) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def read_tensorboard_scalars(logdir: Path) -> dict[str, dict[int, float]]:

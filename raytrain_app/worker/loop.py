@@ -114,6 +114,7 @@ class WorkerLoop:
         self.resume()
         self.state.note_world_size(self.world_size)
         nodes = sorted(set(gather(self.session.node_address(), self.world_size)))
+        self.stop_request.confirm_lease()  # before rank 0 writes anything
         # Rank 0 writes its files locally (staged when the run directory is an object store);
         # the tracker uploads them after every epoch and when it closes.
         files = RankZeroFiles(self.task.run_dir, is_rank_zero())

@@ -41,12 +41,26 @@ class StopRequest:
         self._lost = lease_lost.get() if rank_zero else None
         self._pending: Any = None  # the unanswered question
         self._last_poll = 0.0
+        # The first question, asked now and answered while the worker builds its model
+        # (waited for on the way it took 0.2 s of the first step): ``confirm_lease``.
+        self._first: Any = None
         if _is_actor(self._control):
-            # Asked once and waited for: a worker group that Ray Train restarts after the
-            # lease was lost must fail here, before it rewrites metrics.csv or trackers.
-            import ray
+            self._first = self._pending = self._control.requests.remote()
 
-            _raise_if_lost(ray.get(self._control.requests.remote()))
+    def confirm_lease(self) -> None:
+        """Wait for the first answer, before rank 0 first writes to the run directory: a
+        worker group that Ray Train restarts after the lease was lost must fail here,
+        before it rewrites metrics.csv or trackers.
+
+        Raises:
+            RunFailedError: the driver lost the run directory's lease.
+        """
+        if self._first is None:
+            return
+        import ray
+
+        first, self._first = self._first, None
+        _raise_if_lost(ray.get(first))  # its stop, if asked, is ``requested``'s next answer
 
     def requested(self) -> bool:
         """Whether to checkpoint at the next step and stop.

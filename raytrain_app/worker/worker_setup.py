@@ -57,6 +57,8 @@ def build_worker(
     rank, world_size = session.world_rank, session.world_size
     _set_torch_flags(plan)
     device = session.device()
+    # Before the model: rank 0's first question to the driver is answered meanwhile.
+    stop_request = StopRequest(task.control, is_rank_zero())
     seed = cfg.experiment.seed
     ray_data = task.ray_data
     splits = ray_data.splits() if ray_data else build_data(task.data, seed)
@@ -95,7 +97,6 @@ def build_worker(
             device=device,
             world_size=world_size,
         )
-        stop_request = StopRequest(task.control, is_rank_zero())
         meta = checkpoint_meta(task, data_info)
         timeout_s = cfg.distributed.timeout_s
         reporter = Reporter(session, cfg.train, meta, world_size, device, timeout_s)

@@ -1,6 +1,7 @@
 """The Ray that raytrain starts itself (no cluster given) is this user's alone: every port of
 every one of its processes listens on loopback, and its token file is readable by its owner
-only. Issue 29: the ports listened on every interface, the token file was 0644.
+only. Issue 29: the ports listened on every interface, the token file was 0644. Its workers
+run at nice 0 with raytrain's Ray Train settings, inherited from the driver (issue 38).
 
 The embedded Ray runs in a subprocess (this process holds the session's Ray), with its own
 HOME and temp dir; the unit side is tests/unit/driver/test_ray_session.py and
@@ -26,19 +27,23 @@ pytestmark = pytest.mark.distributed
 _PROBE = """
 import json, os
 import psutil, ray
-from raytrain_app.driver.ray_connection import embedded_ray_beside, ray_session
-from raytrain_app.planning.environment import detect_environment
+from raytrain_app.driver.ray_connection import (
+    embedded_ray_beside, inherited_by_ray_workers, ray_session,
+)
+from raytrain_app.planning.environment import detect_environment, training_worker_env_vars
 
 def listening(process):
     connections = getattr(process, "net_connections", None) or process.connections
     return [c for c in connections(kind="inet") if c.status == psutil.CONN_LISTEN]
 
 @ray.remote
-def worker_pid():
-    return os.getpid()
+def worker_view():
+    names = ("RAY_TRAIN_ENABLE_PRINT_PATCH", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    return os.getpid(), os.nice(0), {name: os.environ.get(name) for name in names}
 
 with embedded_ray_beside(), ray_session(None, detect_environment()):
-    worker_pid = ray.get(worker_pid.remote())
+    worker_pid, nice, variables = ray.get(worker_view.remote())
+    inherited = sorted(inherited_by_ray_workers(training_worker_env_vars()))
     me = psutil.Process()
     found = []
     for process in [me, *me.children(recursive=True)]:
@@ -47,7 +52,10 @@ with embedded_ray_beside(), ray_session(None, detect_environment()):
         except psutil.Error:
             continue
         found += [[process.name(), process.pid, s.laddr.ip, s.laddr.port] for s in sockets]
-print(json.dumps({"listening": found, "worker_pid": worker_pid}))
+print(json.dumps({
+    "listening": found, "worker_pid": worker_pid, "nice": nice, "variables": variables,
+    "inherited": inherited,
+}))
 """
 
 
@@ -57,7 +65,9 @@ def _loopback(ip: str) -> bool:
     return address.is_loopback or bool(mapped and mapped.is_loopback)
 
 
-def test_an_embedded_ray_listens_on_loopback_only_and_keeps_its_token_private(tmp_path, ray_tmp):
+def test_an_embedded_ray_is_this_users_alone_and_its_workers_inherit_raytrains_settings(
+    tmp_path, ray_tmp
+):
     home = tmp_path / "home"
     env = isolated_env(home, RAY_TMPDIR=ray_tmp)
     done = subprocess.run(
@@ -71,6 +81,14 @@ def test_an_embedded_ray_listens_on_loopback_only_and_keeps_its_token_private(tm
     assert {"gcs_server", "raylet"} <= names, listening
     assert probe["worker_pid"] in {pid for _, pid, *_ in listening}, listening
     assert [entry for entry in listening if not _loopback(entry[2])] == []
+    # Its workers run at nice 0 with Ray Train's settings from the start: the training
+    # workers need no runtime env, which would start each through a second Python
+    # process that imports Ray (driver.trainer._worker_runtime_env).
+    assert probe["nice"] == 0 and probe["inherited"] == ["RAY_worker_niceness"]
+    assert probe["variables"] == {
+        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+    }
     token = home / ".ray" / "auth_token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700

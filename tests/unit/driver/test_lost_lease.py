@@ -22,6 +22,7 @@ from raytrain_app.driver.lease_stores import LEASE_FILE, LeaseRecord, lease_stor
 from raytrain_app.errors import BadInputError, RunFailedError
 from raytrain_app.planning.environment import detect_environment
 from raytrain_app.testing.s3_server import s3_for_this_process
+from raytrain_app.worker import stop_request
 from raytrain_app.worker.stop_request import StopRequest, lease_lost
 
 THEIRS = LeaseRecord("theirs", "train", "node7", 4242, time.time(), time.time())
@@ -189,6 +190,45 @@ def test_in_local_mode_rank_zero_raises_at_its_next_step_once_the_lease_is_lost(
         assert other_rank.requested() is False  # it stops with the failed worker group
     finally:
         lease_lost.reset(told)
+
+
+class AnsweringControl:
+    """Stands in for the RunControl actor's handle: every question is an object ref, whose
+    answer ``ray.get`` (replaced) looks up."""
+
+    def __init__(self, answer: tuple[bool, str | None]) -> None:
+        self.answers: dict[object, tuple[bool, str | None]] = {}
+        self.requests = self
+        self.answer = answer
+
+    def remote(self) -> object:
+        ref = object()
+        self.answers[ref] = self.answer
+        return ref
+
+
+@pytest.mark.parametrize("answer", [(False, "another run took over the lease"), (True, None)])
+def test_rank_zero_asks_the_run_control_at_once_and_waits_only_before_it_first_writes(
+    monkeypatch, answer
+):
+    control, waited = AnsweringControl(answer), []
+    monkeypatch.setattr(stop_request, "_is_actor", lambda handle: handle is control)
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda ref: waited.append(ref) or control.answers[ref])
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
+    request = StopRequest(control, rank_zero=True)
+    # Asked while the worker builds its model, not waited for on the way to the first step.
+    assert len(control.answers) == 1 and waited == []
+    if answer[1]:  # a worker group restarted after the lease was lost writes nothing
+        with pytest.raises(RunFailedError, match="took over the lease"):
+            request.confirm_lease()
+        return
+    request.confirm_lease()
+    assert waited == list(control.answers)
+    assert request.requested() is True  # a stop asked before the start is not lost
+    assert StopRequest(control, rank_zero=False).confirm_lease() is None  # others never ask
+    assert len(control.answers) == 1
 
 
 class RecordingActor:

@@ -86,6 +86,32 @@ def test_an_embedded_ray_turns_off_cluster_only_ray_train_features_while_it_runs
         assert not any(name in os.environ for name in names)
 
 
+def test_the_workers_of_an_embedded_ray_inherit_its_defaults_set_before_it_starts(
+    init_calls, monkeypatch
+):
+    monkeypatch.setattr(os, "environ", {"AWS_ENDPOINT_URL": "http://s3.example:9000"})
+    monkeypatch.setattr(ray_connection, "ray_started_here", lambda: True)
+    seen: dict[str, str] = {}
+    monkeypatch.setattr(ray_connection.ray, "init", lambda **kwargs: seen.update(os.environ))
+    wanted = {
+        "RAY_worker_niceness": "0",  # a training worker's nice value
+        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+        "AWS_ENDPOINT_URL": "http://s3.example:9000",  # a store's, the user's own
+    }
+    with ray_connection.ray_session(None, detect_environment({})):
+        # In the environment the Ray's processes inherit: nothing to pass on again.
+        assert all(seen[name] == value for name, value in wanted.items())
+        assert ray_connection.inherited_by_ray_workers(wanted) == set(wanted)
+        os.environ["AWS_ENDPOINT_URL"] = "http://elsewhere:9000"  # set after the start
+        moved = {"AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}
+        assert ray_connection.inherited_by_ray_workers(moved) == set()
+    assert ray_connection.inherited_by_ray_workers(wanted) == set()  # that Ray is gone
+    assert "RAY_worker_niceness" not in os.environ  # nor its defaults
+    with ray_connection.ray_session("10.0.0.1:6379", detect_environment({})):
+        # A cluster's workers inherit nothing from this process.
+        assert ray_connection.inherited_by_ray_workers(wanted) == set()
+
+
 # ------------------------------------------------------------ what an embedded Ray exposes
 # Issue 29: the embedded Ray's ports listened on every interface and its token file was
 # world-readable. The real Ray's sockets and file: tests/distributed/test_embedded_ray.py.

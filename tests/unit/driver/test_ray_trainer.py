@@ -163,6 +163,31 @@ def test_the_controller_gets_raytrains_policies_and_the_storage_variables(contro
     assert "AWS_ENDPOINT_URL" not in ray_internals.train_constants.ENV_VARS_TO_PROPAGATE
 
 
+def test_what_the_workers_of_raytrains_embedded_ray_inherit_is_not_passed_on_again(
+    controller_start, monkeypatch
+):
+    # A runtime env starts each worker through a second Python process that imports Ray.
+    store = {"AWS_ENDPOINT_URL": "http://s3.example:9000"}
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store["AWS_ENDPOINT_URL"])
+    inherited = {"RAY_worker_niceness": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", **store}
+
+    def inherited_by_ray_workers(variables):  # as ray_connection's for that Ray
+        return {name for name, value in variables.items() if inherited.get(name) == value}
+
+    monkeypatch.setattr(trainer_module, "inherited_by_ray_workers", inherited_by_ray_workers)
+    fixed = FixedScalingPolicy(ray.train.ScalingConfig(num_workers=2))
+    _, _, propagated = _started_with(_trainer(True, storage_env=store), fixed)
+    assert not {"RAY_TRAIN_ENABLE_PRINT_PATCH", "AWS_ENDPOINT_URL"} & propagated
+    # Lent for the start only: Ray's own set is as it was.
+    assert "RAY_TRAIN_ENABLE_PRINT_PATCH" in ray_internals.train_constants.ENV_VARS_TO_PROPAGATE
+    runtime_env = trainer_module._worker_runtime_env
+    assert runtime_env({"RAY_worker_niceness": "0", **store}) == {}
+    assert runtime_env({"RAY_worker_niceness": "10", **store}) == {
+        "env_vars": {"RAY_worker_niceness": "10"}  # the user's, set after that Ray started
+    }
+
+
 def _started_where(trainer: RaytrainTorchTrainer, callbacks: list) -> tuple[str, set[type]]:
     """Where the controller of a run with ``callbacks`` starts, and the callback types it
     gets there."""

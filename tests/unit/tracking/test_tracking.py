@@ -102,10 +102,19 @@ def test_ranks_other_than_zero_and_disabled_tracking_write_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_tensorboard_opens_its_writer_at_the_first_scalar_not_on_the_way_to_the_first_step(
+    tmp_path,
+):
+    tracker = open_tracker(_cfg(tmp_path), tmp_path, resumed_step=0, rank_zero=True)
+    assert not (tmp_path / "tensorboard").exists()
+    tracker.log_epoch(10, _rows(1)[0])
+    assert len(list((tmp_path / "tensorboard").iterdir())) == 1
+    tracker.close()
+
+
 def test_a_failing_backend_is_switched_off_not_the_run(tmp_path, caplog):
     tracker = open_tracker(_cfg(tmp_path), tmp_path, resumed_step=0, rank_zero=True)
-    tracker.trackers[0].writer.close()
-    tracker.trackers[0].writer = None  # any error inside a backend
+    (tmp_path / "tensorboard").write_text("a file where its folder goes")  # any error
     with caplog.at_level(logging.WARNING, logger="raytrain_app.tracking.trackers"):
         tracker.log_epoch(10, _rows(1)[0])
         tracker.log_epoch(20, _rows(2)[1])
