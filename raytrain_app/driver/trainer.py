@@ -43,7 +43,7 @@ from raytrain_app.driver.controller_in_driver import (
     run_controller_in_driver,
     runs_here,
 )
-from raytrain_app.driver.ray_connection import inherited_by_ray_workers
+from raytrain_app.driver.embedded_ray import inherited_by_ray_workers
 from raytrain_app.driver.run_control import DriverControl
 from raytrain_app.driver.signals import stop_on_signals
 from raytrain_app.planning.cluster_resources import through_ray_client
@@ -60,7 +60,7 @@ class RaytrainTorchTrainer(TorchTrainer):
     """``TorchTrainer`` without Ray's Ctrl-C handler and the actors raytrain has no use for.
 
     Args:
-        embedded_ray: this process started the Ray it runs on (``ray_connection.ray_started_here``).
+        embedded_ray: this process started the Ray it runs on (``embedded_ray.ray_started_here``).
         storage_env: the variables the run's stores need (``storage_env_vars``), which
             Ray Train's controller gets too.
     """

@@ -43,12 +43,8 @@ _EMBEDDED_RAY_TRAIN_ENV_DEFAULTS = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     # Prometheus metrics for the dashboard's Train view, gone with the embedded Ray.
     "RAY_TRAIN_METRICS_ENABLED": "0",
-    # Every worker process of a Ray that raytrain starts for one run on this machine at
-    # nice 0 (Ray's default is 15), as torchrun's processes and their loader processes
-    # run: then the training workers inherit all they need from the Ray's environment
-    # (training_worker_env_vars) and need no runtime env of their own, which would start
-    # each through a second Python process that imports Ray too (benchmarks/README.md,
-    # "First step").
+    # Every worker at nice 0 (Ray's default: 15), as torchrun's are: the training workers
+    # inherit it (training_worker_env_vars) and need no runtime env (driver.embedded_ray).
     _RAY_WORKER_NICENESS: "0",
 }
 

@@ -27,9 +27,8 @@ pytestmark = pytest.mark.distributed
 _PROBE = """
 import json, os
 import psutil, ray
-from raytrain_app.driver.ray_connection import (
-    embedded_ray_beside, inherited_by_ray_workers, ray_session,
-)
+from raytrain_app.driver.embedded_ray import inherited_by_ray_workers
+from raytrain_app.driver.ray_connection import embedded_ray_beside, ray_session
 from raytrain_app.planning.environment import detect_environment, training_worker_env_vars
 
 def listening(process):

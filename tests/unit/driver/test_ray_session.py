@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from ray._private import ray_constants
 
-from raytrain_app.driver import ray_connection
+from raytrain_app.driver import embedded_ray, ray_connection
 from raytrain_app.planning.environment import Resources, detect_environment
 
 
@@ -90,7 +90,7 @@ def test_the_workers_of_an_embedded_ray_inherit_its_defaults_set_before_it_start
     init_calls, monkeypatch
 ):
     monkeypatch.setattr(os, "environ", {"AWS_ENDPOINT_URL": "http://s3.example:9000"})
-    monkeypatch.setattr(ray_connection, "ray_started_here", lambda: True)
+    monkeypatch.setattr(embedded_ray, "ray_started_here", lambda: True)
     seen: dict[str, str] = {}
     monkeypatch.setattr(ray_connection.ray, "init", lambda **kwargs: seen.update(os.environ))
     wanted = {
@@ -101,15 +101,15 @@ def test_the_workers_of_an_embedded_ray_inherit_its_defaults_set_before_it_start
     with ray_connection.ray_session(None, detect_environment({})):
         # In the environment the Ray's processes inherit: nothing to pass on again.
         assert all(seen[name] == value for name, value in wanted.items())
-        assert ray_connection.inherited_by_ray_workers(wanted) == set(wanted)
+        assert embedded_ray.inherited_by_ray_workers(wanted) == set(wanted)
         os.environ["AWS_ENDPOINT_URL"] = "http://elsewhere:9000"  # set after the start
         moved = {"AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"]}
-        assert ray_connection.inherited_by_ray_workers(moved) == set()
-    assert ray_connection.inherited_by_ray_workers(wanted) == set()  # that Ray is gone
+        assert embedded_ray.inherited_by_ray_workers(moved) == set()
+    assert embedded_ray.inherited_by_ray_workers(wanted) == set()  # that Ray is gone
     assert "RAY_worker_niceness" not in os.environ  # nor its defaults
     with ray_connection.ray_session("10.0.0.1:6379", detect_environment({})):
         # A cluster's workers inherit nothing from this process.
-        assert ray_connection.inherited_by_ray_workers(wanted) == set()
+        assert embedded_ray.inherited_by_ray_workers(wanted) == set()
 
 
 # ------------------------------------------------------------ what an embedded Ray exposes
@@ -165,10 +165,10 @@ def test_a_readable_token_file_of_the_users_is_left_alone_with_a_warning(init_ca
     token.chmod(0o644)
     env = detect_environment({})
     with (
-        caplog.at_level(logging.WARNING, logger=ray_connection.__name__),
+        caplog.at_level(logging.WARNING, logger=embedded_ray.__name__),
         ray_connection.ray_session(None, env),
     ):
         pass
     assert token.read_text() == "b" * 64 and stat.S_IMODE(token.stat().st_mode) == 0o644
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == ray_connection.__name__]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == embedded_ray.__name__]
     assert "readable by other users" in warning and f"chmod 600 {token}" in warning

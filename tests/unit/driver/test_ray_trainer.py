@@ -113,7 +113,7 @@ def test_the_embedded_scaling_policy_never_asks_an_autoscaler():
     ],
 )
 def test_only_a_head_this_process_started_counts_as_started_here(monkeypatch, node, started_here):
-    from raytrain_app.driver.ray_connection import ray_started_here
+    from raytrain_app.driver.embedded_ray import ray_started_here
 
     # Independent of any Ray an earlier test left running in this process.
     monkeypatch.setattr(ray._private.worker, "_global_node", node)
@@ -172,7 +172,7 @@ def test_what_the_workers_of_raytrains_embedded_ray_inherit_is_not_passed_on_aga
     monkeypatch.setenv("AWS_ENDPOINT_URL", store["AWS_ENDPOINT_URL"])
     inherited = {"RAY_worker_niceness": "0", "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", **store}
 
-    def inherited_by_ray_workers(variables):  # as ray_connection's for that Ray
+    def inherited_by_ray_workers(variables):  # as embedded_ray's for that Ray
         return {name for name, value in variables.items() if inherited.get(name) == value}
 
     monkeypatch.setattr(trainer_module, "inherited_by_ray_workers", inherited_by_ray_workers)
