@@ -169,9 +169,9 @@ _embedded_env: dict[str, str] | None = None
 
 
 def prepare_embedded_start() -> list[str]:
-    """Before an embedded Ray starts, in the main thread (another thread may read the
-    environment meanwhile): set Ray Train's defaults where its processes inherit them,
-    and note the environment they inherit.
+    """Before an embedded Ray starts, and before the thread that starts it begins (which
+    reads the environment as Ray spawns its processes): set Ray Train's defaults where
+    those processes inherit them, and note the environment they inherit.
 
     Returns:
         The defaults set (the user's own values stay): ``forget_embedded_start`` takes
