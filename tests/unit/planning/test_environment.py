@@ -134,16 +134,16 @@ def test_embedded_ray_defaults_only_for_an_embedded_ray(monkeypatch):
     monkeypatch.setattr(os, "environ", {})  # an empty environment, restored afterwards
     apply_ray_train_defaults()
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
-    assert "RAY_worker_niceness" not in os.environ  # a cluster's workers keep Ray's 15
+    assert NICENESS not in os.environ  # a cluster's workers keep Ray's 15
     monkeypatch.setenv("RAY_TRAIN_METRICS_ENABLED", "1")  # the user's choice stays
     added = apply_ray_train_defaults(embedded=True)
-    assert added == ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "RAY_worker_niceness"]
+    assert added == ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", NICENESS]
     assert os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
     assert os.environ[NICENESS] == "0"  # every worker of its Ray at nice 0
     assert os.environ["RAY_TRAIN_METRICS_ENABLED"] == "1"
     unset_ray_train_defaults(added)  # what raytrain's embedded Ray does when it stops
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ
-    assert "RAY_worker_niceness" not in os.environ
+    assert NICENESS not in os.environ
     assert os.environ["RAY_TRAIN_METRICS_ENABLED"] == "1"
 
 
