@@ -108,9 +108,8 @@ class RaytrainTorchTrainer(TorchTrainer):
         propagated = getattr(internals.train_constants, "ENV_VARS_TO_PROPAGATE", None)
         saved = set(propagated) if isinstance(propagated, set) else None
         if saved is not None:
-            names = saved | set(self._storage_env)
-            propagated.update(names)
-            propagated.difference_update(inherited_by_ray_workers(variables_set(names)))
+            propagated.update(self._storage_env)
+            propagated.difference_update(inherited_by_ray_workers(variables_set(propagated)))
         try:
             callbacks = controller_init_kwargs.get("callbacks") or []
             if self._controller_in_driver and runs_here(callbacks):
