@@ -1,7 +1,8 @@
 """The Ray that raytrain starts on this machine for a run (an embedded Ray): how it starts
-(sized as the plan assumed, on loopback only, its token file private, Ray's start notices
-that its user has nothing to act on left out) and what its processes inherit from the
-driver (``inherited_by_ray_workers``). ``ray_connection`` decides when it starts.
+(sized as the plan assumed, on loopback only, its token file private, no dashboard process
+unless its UI is asked for, Ray's start notices that its user has nothing to act on left
+out) and what its processes inherit from the driver (``inherited_by_ray_workers``).
+``ray_connection`` decides when it starts.
 """
 
 from __future__ import annotations
@@ -96,6 +97,39 @@ def _listening_on_loopback_only() -> Iterator[None]:
         yield
     finally:
         constants.ENABLE_RAY_CLUSTER = saved
+
+
+def _skip_dashboard_process(node: object, **_: object) -> None:
+    """Stands in for ``Node.start_api_server`` while an embedded Ray without a UI starts."""
+    logger.debug("the local Ray starts without its dashboard process (no UI asked for)")
+
+
+@contextmanager
+def _without_dashboard_process(ui: bool) -> Iterator[None]:
+    """Start an embedded Ray without Ray's dashboard process unless its UI was asked for.
+
+    Without the UI (``include_dashboard=False``) that process serves nothing: Ray 2.60 loads
+    only its usage-statistics module there and opens no HTTP server, no job API. Yet
+    ``ray.init()`` starts it before the raylet and waits until it is up: 1.3 s of CPU on
+    the way to the first step on 2 cores (benchmarks/README.md, "First step"). Ray's
+    metrics endpoint (the dashboard agent of each node) and ``ray status`` (the GCS and
+    the autoscaler's monitor) do not depend on it. Ray's usage statistics, reported from
+    that process when they are on, are not reported for such a Ray. A Ray without
+    ``Node.start_api_server`` starts it as usual.
+    """
+    try:
+        node_class = importlib.import_module("ray._private.node").Node
+    except (ImportError, AttributeError):
+        node_class = None
+    saved = getattr(node_class, "__dict__", {}).get("start_api_server")
+    if ui or saved is None:
+        yield
+        return
+    node_class.start_api_server = _skip_dashboard_process
+    try:
+        yield
+    finally:
+        node_class.start_api_server = saved
 
 
 def _default_token_path() -> Path:
@@ -207,14 +241,15 @@ def start_embedded_ray(start: EmbeddedRay) -> None:
     """``ray.init()`` of a single-machine cluster on loopback, its token file private."""
     if _token_to_generate():
         _create_private_token()
-    # An embedded single-machine cluster sized like the plan assumed. Ray's dashboard UI
-    # only where asked for (RAYTRAIN_DASHBOARD_HOST): ray.init() waits for its modules'
-    # processes. Ray's job server runs either way and runs code, so it binds to localhost
-    # unless the user names another interface.
-    with _without_start_notices(), _listening_on_loopback_only():
+    # An embedded single-machine cluster sized like the plan assumed. Ray's dashboard only
+    # where its UI is asked for (RAYTRAIN_DASHBOARD_HOST): ray.init() waits for its
+    # processes. Its server runs code (the job API), so it binds to localhost unless the
+    # user names another interface.
+    ui = start.dashboard_host is not None
+    with _without_start_notices(), _listening_on_loopback_only(), _without_dashboard_process(ui):
         ray.init(
             num_cpus=start.num_cpus,
-            include_dashboard=start.dashboard_host is not None,
+            include_dashboard=ui,
             dashboard_host=start.dashboard_host or LOCAL_DASHBOARD_HOST,
             logging_level=logging.WARNING,
             _node_ip_address=LOOPBACK,

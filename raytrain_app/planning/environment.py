@@ -48,8 +48,8 @@ _EMBEDDED_RAY_TRAIN_ENV_DEFAULTS = {
     _RAY_WORKER_NICENESS: "0",
 }
 
-# An embedded Ray's dashboard server (Ray starts its job API even without the UI) accepts
-# job submissions: only this machine reaches it unless the user names another interface.
+# An embedded Ray's dashboard server, where its UI is asked for, also serves Ray's job API
+# (it runs code): only this machine reaches it unless the user names another interface.
 LOCAL_DASHBOARD_HOST = "127.0.0.1"
 
 
@@ -241,8 +241,8 @@ def dashboard_host(env: Mapping[str, str]) -> str | None:
     """The interface an embedded Ray's dashboard UI listens on, where the user asks for the
     UI with ``RAYTRAIN_DASHBOARD_HOST`` (``127.0.0.1``: this machine only); None: no UI.
 
-    Without it an embedded Ray starts 1.3 s sooner on 2 cores (benchmarks/README.md, "First
-    step"): the UI's modules are processes of their own, and ``ray.init()`` waits for them.
+    Without it an embedded Ray starts without Ray's dashboard process, which ``ray.init()``
+    waits for (``driver.embedded_ray``; benchmarks/README.md, "First step").
     """
     return env.get("RAYTRAIN_DASHBOARD_HOST") or None
 

@@ -1,7 +1,9 @@
 """The Ray that raytrain starts itself (no cluster given) is this user's alone: every port of
 every one of its processes listens on loopback, and its token file is readable by its owner
 only. Issue 29: the ports listened on every interface, the token file was 0644. Its workers
-run at nice 0 with raytrain's Ray Train settings, inherited from the driver (issue 38).
+run at nice 0 with raytrain's Ray Train settings, inherited from the driver, and it runs
+no dashboard process unless its UI is asked for, its metrics endpoint served all the same
+(issue 38).
 
 The embedded Ray runs in a subprocess (this process holds the session's Ray), with its own
 HOME and temp dir; the unit side is tests/unit/driver/test_ray_session.py and
@@ -25,8 +27,9 @@ pytestmark = pytest.mark.distributed
 # then taken over), a task (so a worker process listens too), then every listening socket
 # of this process and all it started.
 _PROBE = """
-import json, os
+import json, os, time, urllib.request
 import psutil, ray
+from ray.util.metrics import Gauge
 from raytrain_app.driver.embedded_ray import inherited_by_ray_workers
 from raytrain_app.driver.ray_connection import embedded_ray_beside, ray_session
 from raytrain_app.planning.environment import detect_environment, training_worker_env_vars
@@ -38,13 +41,28 @@ def listening(process):
 @ray.remote
 def worker_view():
     names = ("RAY_TRAIN_ENABLE_PRINT_PATCH", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")
+    Gauge("raytrain_probe", description="set by the probe").set(1.0)
+    time.sleep(1.5)  # past the core worker's next metrics report (RAY_metrics_report_interval_ms)
     return os.getpid(), os.nice(0), {name: os.environ.get(name) for name in names}
+
+def scraped(port):  # whether the node's Prometheus endpoint shows the gauge (within 30 s)
+    for _ in range(60):
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        except OSError:
+            text = b""
+        if b"ray_raytrain_probe" in text:
+            return True
+        time.sleep(0.5)
+    return False
 
 with embedded_ray_beside(), ray_session(None, detect_environment()):
     worker_pid, nice, variables = ray.get(worker_view.remote())
     inherited = sorted(inherited_by_ray_workers(training_worker_env_vars()))
+    metrics = scraped(ray._private.worker._global_node.metrics_export_port)
     me = psutil.Process()
     found = []
+    started = [" ".join(process.cmdline()) for process in me.children(recursive=True)]
     for process in [me, *me.children(recursive=True)]:
         try:
             sockets = listening(process)
@@ -53,7 +71,7 @@ with embedded_ray_beside(), ray_session(None, detect_environment()):
         found += [[process.name(), process.pid, s.laddr.ip, s.laddr.port] for s in sockets]
 print(json.dumps({
     "listening": found, "worker_pid": worker_pid, "nice": nice, "variables": variables,
-    "inherited": inherited,
+    "inherited": inherited, "metrics": metrics, "started": started,
 }))
 """
 
@@ -68,7 +86,7 @@ def test_an_embedded_ray_is_this_users_alone_and_its_workers_inherit_raytrains_s
     tmp_path, ray_tmp
 ):
     home = tmp_path / "home"
-    env = isolated_env(home, RAY_TMPDIR=ray_tmp)
+    env = isolated_env(home, RAY_TMPDIR=ray_tmp, RAY_metrics_report_interval_ms="500")
     done = subprocess.run(
         [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=180
     )
@@ -88,6 +106,12 @@ def test_an_embedded_ray_is_this_users_alone_and_its_workers_inherit_raytrains_s
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
     }
+    # No UI asked for: no dashboard process, which would serve nothing and which ray.init()
+    # waits for; the dashboard agent still serves the node's metrics (issue 38).
+    started = probe["started"]
+    assert not [line for line in started if "dashboard/dashboard.py" in line], started
+    assert [line for line in started if "dashboard/agent.py" in line], started
+    assert probe["metrics"], "the worker's gauge never reached the metrics endpoint"
     token = home / ".ray" / "auth_token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import ray
+from ray._private.node import Node
 
 from raytrain_app import cli
 from raytrain_app.config import load_config
@@ -147,6 +148,7 @@ def test_the_ray_started_beside_is_the_ray_a_session_starts_and_is_taken_over_on
 
 
 def test_a_ray_that_fails_to_start_beside_is_one_line_as_before(stood_in):
+    rays_own = Node.start_api_server
     stood_in.fail = RuntimeError("Failed to start the dashboard\nsecond line")
     with (
         pytest.raises(
@@ -158,6 +160,7 @@ def test_a_ray_that_fails_to_start_beside_is_one_line_as_before(stood_in):
         pass
     assert "\n" not in str(raised.value)
     assert "shutdown" not in stood_in.events
+    assert Node.start_api_server is rays_own  # the dashboard's start is Ray's own again
 
 
 @pytest.mark.parametrize(

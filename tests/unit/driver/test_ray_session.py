@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 from ray._private import ray_constants
+from ray._private.node import Node
 
 from raytrain_app.driver import embedded_ray, ray_connection
 from raytrain_app.planning.environment import Resources, detect_environment
+
+_RAYS_DASHBOARD_START = Node.start_api_server
 
 
 @pytest.fixture
@@ -35,6 +38,7 @@ def init_calls(monkeypatch, home) -> list[dict]:
         kwargs["_seen"] = {
             "enable_ray_cluster": ray_constants.ENABLE_RAY_CLUSTER,
             "token_mode": stat.S_IMODE(token.stat().st_mode) if token.exists() else None,
+            "dashboard_process": Node.start_api_server is _RAYS_DASHBOARD_START,
         }
         calls.append(kwargs)
 
@@ -57,12 +61,15 @@ def init_calls(monkeypatch, home) -> list[dict]:
 def test_an_embedded_ray_has_a_dashboard_ui_only_where_asked_and_binds_localhost_unless_told(
     init_calls, variables, ui, host
 ):
-    # Without the UI Ray still serves its job API, on dashboard_host: localhost.
+    # Without the UI Ray's dashboard process (which would then serve nothing, and which
+    # ray.init() waits for) is not started at all; with it, it binds to dashboard_host.
     with ray_connection.ray_session(None, detect_environment(variables)) as env:
         assert env.resources.source == "this machine"
     (call,) = init_calls
     assert call["include_dashboard"] is ui and call["dashboard_host"] == host
+    assert call["_seen"]["dashboard_process"] is ui
     assert "address" not in call
+    assert Node.start_api_server is _RAYS_DASHBOARD_START  # Ray's own again afterwards
 
 
 def test_connecting_to_a_cluster_starts_no_dashboard(init_calls):
