@@ -110,8 +110,8 @@ def _without_dashboard_process(ui: bool) -> Iterator[None]:
 
     Without the UI (``include_dashboard=False``) that process serves nothing: Ray 2.60 loads
     only its usage-statistics module there and opens no HTTP server, no job API. Yet
-    ``ray.init()`` starts it before the raylet and waits until it is up: 1.3 s of CPU on
-    the way to the first step on 2 cores (benchmarks/README.md, "First step"). Ray's
+    ``ray.init()`` starts it before the raylet and waits until it is up: 0.95-1.3 s of CPU
+    on the way to the first step on 2 cores (benchmarks/README.md, "First step"). Ray's
     metrics endpoint (the dashboard agent of each node) and ``ray status`` (the GCS and
     the autoscaler's monitor) do not depend on it. Ray's usage statistics, reported from
     that process when they are on, are not reported for such a Ray. A Ray without
