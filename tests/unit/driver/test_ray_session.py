@@ -29,8 +29,8 @@ def home(monkeypatch, tmp_path) -> Path:
 @pytest.fixture
 def init_calls(monkeypatch, home) -> list[dict]:
     """Every ``ray.init`` call's keyword arguments, with what Ray would see then: whether it
-    would keep a loopback node address (``ENABLE_RAY_CLUSTER`` off) and the mode of the
-    token file. Ray itself never starts."""
+    would keep a loopback node address (``ENABLE_RAY_CLUSTER`` off), the mode of the token
+    file and how its node would start its dashboard. Ray itself never starts."""
     calls: list[dict] = []
 
     def init(**kwargs) -> None:
@@ -38,7 +38,7 @@ def init_calls(monkeypatch, home) -> list[dict]:
         kwargs["_seen"] = {
             "enable_ray_cluster": ray_constants.ENABLE_RAY_CLUSTER,
             "token_mode": stat.S_IMODE(token.stat().st_mode) if token.exists() else None,
-            "dashboard_process": Node.start_api_server is _RAYS_DASHBOARD_START,
+            "dashboard_start": getattr(Node, "start_api_server", None),
         }
         calls.append(kwargs)
 
@@ -67,9 +67,22 @@ def test_an_embedded_ray_has_a_dashboard_ui_only_where_asked_and_binds_localhost
         assert env.resources.source == "this machine"
     (call,) = init_calls
     assert call["include_dashboard"] is ui and call["dashboard_host"] == host
-    assert call["_seen"]["dashboard_process"] is ui
+    assert (call["_seen"]["dashboard_start"] is _RAYS_DASHBOARD_START) is ui
     assert "address" not in call
     assert Node.start_api_server is _RAYS_DASHBOARD_START  # Ray's own again afterwards
+
+
+def test_a_ray_without_the_dashboards_start_method_starts_its_dashboard_as_usual(
+    init_calls, monkeypatch
+):
+    # Another Ray version, whose Node starts its dashboard some other way: nothing is
+    # replaced, and ray.init() starts what that Ray starts.
+    monkeypatch.delattr(Node, "start_api_server")
+    with ray_connection.ray_session(None, detect_environment({})):
+        pass
+    (call,) = init_calls
+    assert call["include_dashboard"] is False and call["_seen"]["dashboard_start"] is None
+    assert not hasattr(Node, "start_api_server")
 
 
 def test_connecting_to_a_cluster_starts_no_dashboard(init_calls):
