@@ -61,11 +61,11 @@ with embedded_ray_beside(), ray_session(None, detect_environment()):
     inherited = sorted(inherited_by_ray_workers(training_worker_env_vars()))
     metrics = scraped(ray._private.worker._global_node.metrics_export_port)
     me = psutil.Process()
-    found = []
-    started = [" ".join(process.cmdline()) for process in me.children(recursive=True)]
+    found, started = [], []
     for process in [me, *me.children(recursive=True)]:
         try:
             sockets = listening(process)
+            started.append(" ".join(process.cmdline()))
         except psutil.Error:
             continue
         found += [[process.name(), process.pid, s.laddr.ip, s.laddr.port] for s in sockets]
