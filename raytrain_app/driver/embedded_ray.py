@@ -70,6 +70,18 @@ def _without_start_notices() -> Iterator[None]:
 
 
 @contextmanager
+def _replaced(owner: object, name: str, value: object) -> Iterator[None]:
+    """``owner``'s own attribute ``name`` is ``value`` for the length of the block (Ray's
+    start reads it), then what it was."""
+    saved = vars(owner)[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+@contextmanager
 def _listening_on_loopback_only() -> Iterator[None]:
     """Keep the Ray that ``ray.init()`` starts here on 127.0.0.1: its GCS, raylet, object
     manager, agents and workers listen on loopback only, not on every interface.
@@ -91,12 +103,8 @@ def _listening_on_loopback_only() -> Iterator[None]:
         )
         yield
         return
-    saved = constants.ENABLE_RAY_CLUSTER
-    constants.ENABLE_RAY_CLUSTER = False
-    try:
+    with _replaced(constants, "ENABLE_RAY_CLUSTER", False):
         yield
-    finally:
-        constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _skip_dashboard_process(node: object, **_: object) -> None:
@@ -121,15 +129,11 @@ def _without_dashboard_process(ui: bool) -> Iterator[None]:
         node_class = importlib.import_module("ray._private.node").Node
     except (ImportError, AttributeError):
         node_class = None
-    saved = getattr(node_class, "__dict__", {}).get("start_api_server")
-    if ui or saved is None:
+    if ui or "start_api_server" not in getattr(node_class, "__dict__", {}):
         yield
         return
-    node_class.start_api_server = _skip_dashboard_process
-    try:
+    with _replaced(node_class, "start_api_server", _skip_dashboard_process):
         yield
-    finally:
-        node_class.start_api_server = saved
 
 
 def _default_token_path() -> Path:
