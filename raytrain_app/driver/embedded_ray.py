@@ -1,8 +1,8 @@
 """The Ray that raytrain starts on this machine for a run (an embedded Ray): how it starts
 (sized as the plan assumed, on loopback only, its token file private, no dashboard process
-unless its UI is asked for, Ray's start notices that its user has nothing to act on left
-out) and what its processes inherit from the driver (``inherited_by_ray_workers``).
-``ray_connection`` decides when it starts.
+unless its UI is asked for, its raylet found as soon as it registers, Ray's start notices
+that its user has nothing to act on left out) and what its processes inherit from the
+driver (``inherited_by_ray_workers``). ``ray_connection`` decides when it starts.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import ray
 
+from raytrain_app.driver.raylet_registration import after_registration
 from raytrain_app.planning.environment import (
     LOCAL_DASHBOARD_HOST,
     Environment,
@@ -136,6 +137,23 @@ def _without_dashboard_process(ui: bool) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _raylet_found_once_registered() -> Iterator[None]:
+    """While an embedded Ray starts, ``ray.init()`` finds its raylet within 20 ms of its
+    registration instead of at Ray's next one-second poll (``driver.raylet_registration``).
+    A Ray without ``services.get_node`` is started as Ray starts it."""
+    try:
+        services = importlib.import_module("ray._private.services")
+    except ImportError:
+        services = None
+    ray_lookup = vars(services).get("get_node") if services is not None else None
+    if ray_lookup is None:
+        yield
+        return
+    with _replaced(services, "get_node", after_registration(ray_lookup)):
+        yield
+
+
 def _default_token_path() -> Path:
     """Where Ray keeps the token it generates: ``~/.ray/auth_token``."""
     return Path.home() / ".ray" / "auth_token"
@@ -250,7 +268,12 @@ def start_embedded_ray(start: EmbeddedRay) -> None:
     # processes. Its server runs code (the job API), so it binds to localhost unless the
     # user names another interface.
     ui = start.dashboard_host is not None
-    with _without_start_notices(), _listening_on_loopback_only(), _without_dashboard_process(ui):
+    with (
+        _without_start_notices(),
+        _listening_on_loopback_only(),
+        _without_dashboard_process(ui),
+        _raylet_found_once_registered(),
+    ):
         ray.init(
             num_cpus=start.num_cpus,
             include_dashboard=ui,

@@ -1,9 +1,9 @@
 """The Ray that raytrain starts itself (no cluster given) is this user's alone: every port of
 every one of its processes listens on loopback, and its token file is readable by its owner
 only. Issue 29: the ports listened on every interface, the token file was 0644. Its workers
-run at nice 0 with raytrain's Ray Train settings, inherited from the driver, and it runs
-no dashboard process unless its UI is asked for, its metrics endpoint served all the same
-(issue 38).
+run at nice 0 with raytrain's Ray Train settings, inherited from the driver, it runs no
+dashboard process unless its UI is asked for, its metrics endpoint served all the same,
+and ray.init() finds its raylet as soon as it registers (issue 38).
 
 The embedded Ray runs in a subprocess (this process holds the session's Ray), with its own
 HOME and temp dir; the unit side is tests/unit/driver/test_ray_session.py and
@@ -30,6 +30,7 @@ _PROBE = """
 import json, os, time, urllib.request
 import psutil, ray
 from ray.util.metrics import Gauge
+from raytrain_app.driver import raylet_registration
 from raytrain_app.driver.embedded_ray import inherited_by_ray_workers
 from raytrain_app.driver.ray_connection import embedded_ray_beside, ray_session
 from raytrain_app.planning.environment import detect_environment, training_worker_env_vars
@@ -56,6 +57,13 @@ def scraped(port):  # whether the node's Prometheus endpoint shows the gauge (wi
         time.sleep(0.5)
     return False
 
+# What ray.init()'s fine wait for the raylet's registration saw: True, the node registered.
+registered, rays_wait = [], raylet_registration.wait_until_registered
+def recorded_wait(*args, **kwargs):
+    registered.append(rays_wait(*args, **kwargs))
+    return registered[-1]
+raylet_registration.wait_until_registered = recorded_wait
+
 with embedded_ray_beside(), ray_session(None, detect_environment()):
     worker_pid, nice, variables = ray.get(worker_view.remote())
     inherited = sorted(inherited_by_ray_workers(training_worker_env_vars()))
@@ -71,7 +79,7 @@ with embedded_ray_beside(), ray_session(None, detect_environment()):
         found += [[process.name(), process.pid, s.laddr.ip, s.laddr.port] for s in sockets]
 print(json.dumps({
     "listening": found, "worker_pid": worker_pid, "nice": nice, "variables": variables,
-    "inherited": inherited, "metrics": metrics, "started": started,
+    "inherited": inherited, "metrics": metrics, "started": started, "registered": registered,
 }))
 """
 
@@ -112,6 +120,9 @@ def test_an_embedded_ray_is_this_users_alone_and_its_workers_inherit_raytrains_s
     assert not [line for line in started if "dashboard/dashboard.py" in line], started
     assert [line for line in started if "dashboard/agent.py" in line], started
     assert probe["metrics"], "the worker's gauge never reached the metrics endpoint"
+    # ray.init() found its raylet through raytrain's 20 ms wait for its registration, not
+    # at Ray's next one-second poll (driver.raylet_registration).
+    assert probe["registered"] == [True]
     token = home / ".ray" / "auth_token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700

@@ -8,13 +8,14 @@ import stat
 from pathlib import Path
 
 import pytest
-from ray._private import ray_constants
+from ray._private import ray_constants, services
 from ray._private.node import Node
 
 from raytrain_app.driver import embedded_ray, ray_connection
 from raytrain_app.planning.environment import Resources, detect_environment
 
 _RAYS_DASHBOARD_START = Node.start_api_server
+_RAYS_NODE_LOOKUP = services.get_node
 
 
 @pytest.fixture
@@ -30,7 +31,8 @@ def home(monkeypatch, tmp_path) -> Path:
 def init_calls(monkeypatch, home) -> list[dict]:
     """Every ``ray.init`` call's keyword arguments, with what Ray would see then: whether it
     would keep a loopback node address (``ENABLE_RAY_CLUSTER`` off), the mode of the token
-    file and how its node would start its dashboard. Ray itself never starts."""
+    file, how its node would start its dashboard and how it would look its raylet up. Ray
+    itself never starts."""
     calls: list[dict] = []
 
     def init(**kwargs) -> None:
@@ -39,6 +41,7 @@ def init_calls(monkeypatch, home) -> list[dict]:
             "enable_ray_cluster": ray_constants.ENABLE_RAY_CLUSTER,
             "token_mode": stat.S_IMODE(token.stat().st_mode) if token.exists() else None,
             "dashboard_start": getattr(Node, "start_api_server", None),
+            "node_lookup": getattr(services, "get_node", None),
         }
         calls.append(kwargs)
 
@@ -85,12 +88,34 @@ def test_a_ray_without_the_dashboards_start_method_starts_its_dashboard_as_usual
     assert not hasattr(Node, "start_api_server")
 
 
+def test_an_embedded_ray_looks_its_raylet_up_once_registered_and_rays_lookup_is_back_after(
+    init_calls,
+):
+    # Ray's lookup polls the GCS once a second; during the embedded start it runs after
+    # raytrain's 20 ms wait for the registration (driver.raylet_registration).
+    with ray_connection.ray_session(None, detect_environment({})):
+        pass
+    (call,) = init_calls
+    lookup = call["_seen"]["node_lookup"]
+    assert lookup is not _RAYS_NODE_LOOKUP and lookup.__wrapped__ is _RAYS_NODE_LOOKUP
+    assert services.get_node is _RAYS_NODE_LOOKUP
+
+
+def test_a_ray_without_the_node_lookup_starts_as_ray_starts_it(init_calls, monkeypatch):
+    monkeypatch.delattr(services, "get_node")
+    with ray_connection.ray_session(None, detect_environment({})):
+        pass
+    (call,) = init_calls
+    assert call["_seen"]["node_lookup"] is None and not hasattr(services, "get_node")
+
+
 def test_connecting_to_a_cluster_starts_no_dashboard(init_calls):
     with ray_connection.ray_session("10.0.0.1:6379", detect_environment({})):
         pass
     (call,) = init_calls
     assert call["address"] == "10.0.0.1:6379"
     assert "dashboard_host" not in call and "include_dashboard" not in call
+    assert call["_seen"]["node_lookup"] is _RAYS_NODE_LOOKUP  # Ray's own: no Ray starts here
 
 
 def test_an_embedded_ray_turns_off_cluster_only_ray_train_features_while_it_runs(
