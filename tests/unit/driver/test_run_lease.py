@@ -33,7 +33,10 @@ from raytrain_app.testing.s3_server import s3_for_this_process
 FAST = {"heartbeat_s": 0.05, "stale_after_s": 30.0}  # no test waits for the real minute
 OWNER = re.compile(
     r"run directory '[^']+' is being written by raytrain (train|tune) on host \S+ "
-    r"\(pid \d+(, SLURM job \S+)?, since \d\d:\d\d:\d\d\); wait for it to finish, stop it, "
+    # The date shows when the holder started on another day than today (lease_stores._clock):
+    # near midnight, a holder whose clock runs two minutes behind did.
+    r"\(pid \d+(, SLURM job \S+)?, since (\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d\); "
+    r"wait for it to finish, stop it, "
     r"or choose another experiment\.name"
 )
 
