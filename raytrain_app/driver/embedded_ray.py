@@ -70,6 +70,18 @@ def _without_start_notices() -> Iterator[None]:
             notices.removeFilter(notice)
 
 
+def _rays_own(module: str, name: str, within: str | None = None) -> object | None:
+    """Ray's module ``module`` (or its class ``within`` there) where it defines ``name``
+    itself, for ``_replaced``; None in a Ray without it, which then starts as it would."""
+    try:
+        owner = importlib.import_module(module)
+        if within is not None:
+            owner = getattr(owner, within)
+    except (ImportError, AttributeError):
+        return None
+    return owner if name in vars(owner) else None
+
+
 @contextmanager
 def _replaced(owner: object, name: str, value: object) -> Iterator[None]:
     """``owner``'s own attribute ``name`` is ``value`` for the length of the block (Ray's
@@ -93,11 +105,8 @@ def _listening_on_loopback_only() -> Iterator[None]:
     only while the node starts, and nothing can join an embedded Ray, so it is off for that
     long. A Ray without it is started as Ray starts it, token auth still on.
     """
-    try:
-        constants = importlib.import_module("ray._private.ray_constants")
-    except ImportError:
-        constants = None
-    if not hasattr(constants, "ENABLE_RAY_CLUSTER"):
+    constants = _rays_own("ray._private.ray_constants", "ENABLE_RAY_CLUSTER")
+    if constants is None:
         logger.warning(
             "this Ray cannot be kept on 127.0.0.1: the local Ray's ports listen on every "
             "interface (token auth stays on)"
@@ -126,11 +135,8 @@ def _without_dashboard_process(ui: bool) -> Iterator[None]:
     that process when they are on, are not reported for such a Ray. A Ray without
     ``Node.start_api_server`` starts it as usual.
     """
-    try:
-        node_class = importlib.import_module("ray._private.node").Node
-    except (ImportError, AttributeError):
-        node_class = None
-    if ui or "start_api_server" not in getattr(node_class, "__dict__", {}):
+    node_class = _rays_own("ray._private.node", "start_api_server", within="Node")
+    if ui or node_class is None:
         yield
         return
     with _replaced(node_class, "start_api_server", _skip_dashboard_process):
@@ -142,15 +148,11 @@ def _raylet_found_once_registered() -> Iterator[None]:
     """While an embedded Ray starts, ``ray.init()`` finds its raylet within 20 ms of its
     registration instead of at Ray's next one-second poll (``driver.raylet_registration``).
     A Ray without ``services.get_node`` is started as Ray starts it."""
-    try:
-        services = importlib.import_module("ray._private.services")
-    except ImportError:
-        services = None
-    ray_lookup = vars(services).get("get_node") if services is not None else None
-    if ray_lookup is None:
+    services = _rays_own("ray._private.services", "get_node")
+    if services is None:
         yield
         return
-    with _replaced(services, "get_node", after_registration(ray_lookup)):
+    with _replaced(services, "get_node", after_registration(vars(services)["get_node"])):
         yield
 
 
