@@ -165,6 +165,22 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def import_torch_cpu_s(tries: int = 3) -> float:
+    """The machine's speed when the suite starts: the median user CPU seconds of a fresh
+    interpreter that imports torch. This shared VM's speed drifts by day (1.25 s on a quiet
+    morning, 2.0-2.5 s on a slow night, as /usr/bin/time's %U), and seconds measured on
+    different days compare only beside it; ratios within one run need no such figure."""
+    import resource
+
+    spent = []
+    for _ in range(tries):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        spent.append(after.ru_utime - before.ru_utime)
+    return round(median(spent), 2)
+
+
 # Share of all CPUs used by other work above which the suite waits before measuring.
 QUIET_PERCENT = DISTURBED_PERCENT
 

@@ -44,10 +44,16 @@ def _status(record: dict[str, Any]) -> str:
     return "met" if met else "**missed**"
 
 
+def _speed(meta: dict[str, Any]) -> str:
+    """The machine's speed at the start, where the run measured it (older results did not)."""
+    spent = meta.get("import_torch_cpu_s")
+    return f", `import torch` {spent:.2f} s of user CPU" if spent is not None else ""
+
+
 def markdown_table(results: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [
         f"Machine `{meta['machine']}` ({meta['cpus']} CPUs, GPU: {meta.get('cuda') or 'none'}), "
-        f"torch {meta['torch']}, ray {meta['ray']}, {meta['date']}; median of "
+        f"torch {meta['torch']}, ray {meta['ray']}, {meta['date']}{_speed(meta)}; median of "
         f"{meta['repeats']} interleaved repeats{', quick mode' if meta.get('quick') else ''}.",
         "",
         "| benchmark | figure | goal | status |",

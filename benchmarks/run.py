@@ -28,6 +28,7 @@ from benchmarks.common import (
     REPO_ROOT,
     CpuWatch,
     Settings,
+    import_torch_cpu_s,
     machine_name,
     usable_cpus,
     wait_until_quiet,
@@ -97,6 +98,7 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "ray": ray.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "import_torch_cpu_s": import_torch_cpu_s(),
     }
 
 
