@@ -3,8 +3,10 @@
 running cluster), ``raytrain train --local`` (Ray Train's local mode: one process, no Ray)
 and torchrun. Goals: <= 10 s cold, <= 6 s local, on this machine.
 
-The step is timestamped by a benchmark-only model factory (``first_step_probe``); one
-extra traced cold run (``first_step_trace``) breaks the cold time down by phase. With
+Cold, local and torchrun runs alternate round by round with no other Ray on the machine;
+the warm runs follow, on a Ray head started for them. The step is timestamped by a
+benchmark-only model factory (``first_step_probe``); one extra traced cold run
+(``first_step_trace``) breaks the cold time down by phase. With
 ``RAYTRAIN_FIRST_STEP_BASELINE=<tree>`` (a git worktree of an earlier commit), that tree's
 raytrain is measured cold beside this one's, interleaved, and traced once too. Each run
 records the 1-minute load average it started under.
@@ -257,16 +259,28 @@ def breakdown(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _variants(ctx: Context, head: RayHead, baseline: Path | None) -> dict[str, Any]:
+def _variants(ctx: Context, baseline: Path | None) -> dict[str, Any]:
+    """The runs that need no Ray running beforehand (``_warm_runs`` has the other)."""
     variants = {
         "raytrain_cold": lambda i: raytrain_run(ctx, None),
-        "raytrain_warm": lambda i: raytrain_run(ctx, head),
         "raytrain_local": lambda i: raytrain_run(ctx, None, local=True),
         "torchrun": lambda i: torchrun_run(ctx),
     }
     if baseline is not None:
         variants["raytrain_cold_baseline"] = lambda i: raytrain_run(ctx, None, tree=baseline)
     return variants
+
+
+def _warm_runs(ctx: Context) -> list[dict[str, Any]]:
+    """``raytrain train --address`` of a Ray head started for these runs alone, stopped
+    after them."""
+    head = start_head(ctx.settings.scratch("ray-head"), num_cpus=WORKERS)
+    try:
+        warm = {"raytrain_warm": lambda i: raytrain_run(ctx, head)}
+        # The first launch on the head starts its worker pool: dropped.
+        return interleave(warm, ctx.settings.repeats, warmup_rounds=1)["raytrain_warm"]
+    finally:
+        head.stop()
 
 
 def _traced(ctx: Context, tree: Path | None = None) -> dict[str, Any]:
@@ -298,17 +312,16 @@ def run(ctx: Context) -> dict[str, Any]:
     # An idle in-process Ray from earlier benchmarks would share the 2 cores: stop it.
     ctx.local_ray.shutdown()
     baseline = Path(os.environ[BASELINE]) if os.environ.get(BASELINE) else None
-    head = start_head(ctx.settings.scratch("ray-head"), num_cpus=WORKERS)
-    try:
-        results = interleave(
-            _variants(ctx, head, baseline),
-            ctx.settings.repeats,
-            # The first launch of each reads everything from disk and, on the running
-            # cluster, starts its worker pool: dropped.
-            warmup_rounds=1,
-        )
-    finally:
-        head.stop()
+    # Cold, local and torchrun runs alternate with no other Ray on the machine: an idle
+    # head beside them took 0.7 s of CPU during a cold run's 11.5 s to its first step
+    # (benchmarks/README.md, "First step"). The warm runs follow, on a head of their own.
+    results = interleave(
+        _variants(ctx, baseline),
+        ctx.settings.repeats,
+        # The first launch of each reads everything from disk: dropped.
+        warmup_rounds=1,
+    )
+    results["raytrain_warm"] = _warm_runs(ctx)
     medians = {k: median([r["first_step_s"] for r in v]) for k, v in results.items()}
     cold = medians["raytrain_cold"]
     record = {
