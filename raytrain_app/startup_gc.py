@@ -15,6 +15,7 @@ itself keeps it off. Standard library only: a worker imports this before torch.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,3 +81,18 @@ class PauseOnArrival:
 def _arrive() -> PauseOnArrival:
     pause()
     return PauseOnArrival()
+
+
+def _collector_back_in_forked_child() -> None:
+    """A process forked during the pause (a DataLoader's workers, forked in set-up) has the
+    collector off and no timer thread, and never reaches the loop's first step: it gets
+    the collector back at once. Single-threaded there: a fresh lock, not the parent's."""
+    global _lock, _timer
+    _lock = threading.Lock()
+    if _timer is not None:
+        _timer = None
+        gc.enable()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_collector_back_in_forked_child)

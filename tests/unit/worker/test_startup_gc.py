@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import pickle
 import time
 
@@ -102,6 +103,24 @@ def test_copying_the_config_in_the_driver_pauses_nothing():
     copy.deepcopy(config)
     copy.copy(config["startup"])
     assert gc.isenabled()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX only")
+def test_a_process_forked_during_the_pause_gets_its_collector_back_at_once():
+    # A DataLoader's worker processes are forked in set-up, before the first step, and
+    # never reach it: they must not run without their collector.
+    startup_gc.pause()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(write, b"1" if gc.isenabled() else b"0")
+        os._exit(0)
+    os.close(write)
+    enabled_in_child = os.read(read, 1)
+    os.close(read)
+    os.waitpid(child, 0)
+    assert enabled_in_child == b"1"
+    assert not gc.isenabled()  # the parent's pause goes on until its first step
 
 
 def test_a_pause_nobody_ends_ends_by_itself(monkeypatch):
