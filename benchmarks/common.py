@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -170,8 +171,6 @@ def import_torch_cpu_s(tries: int = 3) -> float:
     interpreter that imports torch. This shared VM's speed drifts by day (1.25 s on a quiet
     morning, 2.0-2.5 s on a slow night, as /usr/bin/time's %U), and seconds measured on
     different days compare only beside it; ratios within one run need no such figure."""
-    import resource
-
     spent = []
     for _ in range(tries):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)

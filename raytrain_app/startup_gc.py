@@ -43,6 +43,8 @@ def pause() -> None:
 def resume() -> None:
     """Turn the collector back on if ``pause`` turned it off; otherwise nothing."""
     global _timer
+    if _timer is None:  # every step after the first: no lock on the step's path
+        return
     with _lock:
         if _timer is None:
             return
