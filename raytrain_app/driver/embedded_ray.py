@@ -185,6 +185,13 @@ def _create_private_token() -> None:
     logger.debug("created %s (mode 0600) for the local Ray's token auth", path)
 
 
+def make_token_private_before_start() -> None:
+    """Before ``ray.init()`` starts a local Ray: where Ray would generate its token file,
+    write it first, readable by this user alone (Ray then uses it as it is)."""
+    if _token_to_generate():
+        _create_private_token()
+
+
 def _warn_if_token_readable() -> None:
     """Say so when the token file Ray reads is readable by other users (a file made
     before raytrain created it 0600, or by hand); it is the user's file, left as it is."""
@@ -263,8 +270,7 @@ def inherited_by_ray_workers(variables: Mapping[str, str]) -> set[str]:
 
 def start_embedded_ray(start: EmbeddedRay) -> None:
     """``ray.init()`` of a single-machine cluster on loopback, its token file private."""
-    if _token_to_generate():
-        _create_private_token()
+    make_token_private_before_start()
     # An embedded single-machine cluster sized like the plan assumed. Ray's dashboard only
     # where its UI is asked for (RAYTRAIN_DASHBOARD_HOST): ray.init() waits for its
     # processes. Its server runs code (the job API), so it binds to localhost unless the

@@ -16,6 +16,7 @@ import json
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,11 @@ def test_an_embedded_ray_is_this_users_alone_and_its_workers_inherit_raytrains_s
     token = home / ".ray" / "auth_token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+
+
+def test_the_test_sessions_own_ray_keeps_its_token_private_too(ray_cluster):
+    """The session's Ray (tests/support/ray_sessions.py) starts as the embedded one does: with
+    Ray's own 0644 token in the session's HOME, every later embedded start in the same
+    process warned about it, a second stderr line that one-line error tests counted."""
+    token = Path.home() / ".ray" / "auth_token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600

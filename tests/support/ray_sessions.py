@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import ray
 from paths import EXAMPLES, TEST_WORKLOADS
 
+from raytrain_app.driver.embedded_ray import make_token_private_before_start
 from raytrain_app.planning.environment import apply_ray_train_defaults
 from raytrain_app.testing.isolation import ray_temp_dir
 from raytrain_app.testing.ports import free_ports
@@ -33,6 +34,11 @@ def session_ray(num_cpus: int, num_gpus: int | None = None) -> Iterator[dict]:
     # tests query) and the Prometheus endpoint (``MetricsScrape``) get free ports too, so
     # parallel sessions never collide.
     dashboard_port, metrics_port = free_ports(2)
+    # Its token file 0600, as the embedded Ray makes it. Ray's own would be 0644 in the
+    # session's HOME, and every later embedded start in this process would warn about it:
+    # a second line on stderr, which failed test_cli's one-line plan errors in a CI run
+    # where they came after the distributed tier on the same xdist worker.
+    make_token_private_before_start()
     ray.init(
         num_cpus=num_cpus,
         num_gpus=num_gpus,
