@@ -9,7 +9,8 @@ a library's C ``exit()``) loses the buffer and says nothing of which test or why
 With ``RAYTRAIN_CI_LAST_WORDS=<file>``, this plugin writes there, a line at a time as they
 happen: each test's node id as it starts, the Python stack of any ``os._exit`` called in
 this process, and a last line once the session has finished. ``.ci/oldest-ray`` prints the
-file where that last line is missing. Loaded with ``-p last_words`` (``.ci`` on PYTHONPATH).
+file where that last line is missing (it greps for ``FINISHED``). Loaded with ``-p
+last_words``, ``.ci`` put first on ``sys.path`` by the command that starts pytest.
 """
 
 from __future__ import annotations
