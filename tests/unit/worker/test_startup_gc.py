@@ -76,6 +76,22 @@ def test_a_worker_that_fails_before_its_first_step_gets_its_collector_back(tmp_p
     assert gc.isenabled()
 
 
+def test_a_local_run_that_fails_before_its_loop_gets_its_collector_back(monkeypatch):
+    """``raytrain train --local`` pauses from the training function's start, in the caller's
+    own process (a notebook's, a test session's); a failure before the worker loop runs,
+    which would resume it, resumes it too."""
+    from raytrain_app.driver import local_run
+
+    def fails_in_set_up(*args):
+        assert not gc.isenabled()  # paused from the training function's start
+        raise RuntimeError("set-up failed")
+
+    monkeypatch.setattr(local_run, "train_worker_local", fails_in_set_up)
+    with pytest.raises(RuntimeError, match="set-up failed"):
+        local_run._local_entry({"task": None, "checkpoints": None, "retention": None})
+    assert gc.isenabled()
+
+
 def test_a_collector_the_process_turned_off_itself_stays_off():
     gc.disable()
     startup_gc.pause()
