@@ -144,18 +144,16 @@ def _as_planned(use_gpu: bool) -> Iterator[None]:
 
 
 def _local_entry(config: dict[str, Any]) -> dict[str, Any]:
-    startup_gc.pause()  # until the loop's first step, as on a Ray worker (startup_gc)
-    try:
+    # Paused until the loop's first step, as on a Ray worker (the loop resumes it then); the
+    # block's end resumes it where the loop never ran: this process goes on, a notebook's or
+    # a test session's, and must not wait for the 5-minute fallback.
+    with startup_gc.paused():
         task = config["task"]
         if dist.is_available() and dist.is_initialized():
             shared = [task]  # no control under torchrun: nothing unpicklable
             dist.broadcast_object_list(shared, src=0)  # rank 0's task, checked and prepared
             task = shared[0]
         return train_worker_local(task, config["checkpoints"], config["retention"])
-    finally:
-        # Where the loop never ran (it resumes after its first step): this process goes on,
-        # a notebook's or a test session's, and must not wait for the 5-minute fallback.
-        startup_gc.resume()
 
 
 def run_under_torchrun(argv: list[str], nproc: int) -> int:
